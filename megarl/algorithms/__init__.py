@@ -1,0 +1,1 @@
+"""The learning rules as pure functions: tensors in, tensors out (see losses.py)."""

@@ -1,0 +1,35 @@
+"""Losses in the Role loss contract: (loss_sum, count, {name: [sum, count]}).
+
+Sums, not means: megatron-core divides gradients by the count summed over microbatches and
+data-parallel ranks, so each step optimises the mean over the whole global batch.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _metric(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return torch.stack([total.detach().double(), count.double()])
+
+
+def masked_nll(token_logprobs: torch.Tensor, loss_mask: torch.Tensor):
+    """Next-token negative log-likelihood over masked-in tokens.
+
+    token_logprobs: [b, s] fp32 log p(label_t); loss_mask: [b, s] (1 = train on this token).
+    """
+    mask = loss_mask.to(token_logprobs.dtype)
+    loss_sum = -(token_logprobs * mask).sum()
+    count = mask.sum().to(torch.int)
+    return loss_sum, count, {"loss": _metric(loss_sum, count)}
+
+
+def masked_mse(values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor):
+    """Squared error of per-token values (critic regression), summed over masked-in tokens.
+
+    values, targets, mask: [b, s].
+    """
+    m = mask.to(values.dtype)
+    err = (values.float() - targets.float()) ** 2 * m
+    loss_sum = 0.5 * err.sum()
+    count = m.sum().to(torch.int)
+    return loss_sum, count, {"value_loss": _metric(loss_sum, count)}

@@ -1,0 +1,10 @@
+"""Typed configuration: schema (dataclasses), YAML loading with overrides, validation."""
+from megarl.config.loader import (
+    ConfigError, config_to_dict, config_to_yaml, flatten, load_config, save_config,
+)
+from megarl.config.schema import (
+    CheckpointConfig, Config, DataConfig, LauncherConfig, LRScheduleConfig, ModelConfig,
+    OffloadConfig, OptimConfig, ParallelConfig, RoleConfig, RolesConfig, TokenizerConfig,
+    TrackingConfig, TrainConfig,
+)
+from megarl.config.validate import check_config, data_parallel_size, has_module, validate_config

@@ -1,0 +1,218 @@
+"""YAML files -> typed `Config`, with `extends:` inheritance and dotted overrides.
+
+Every user mistake raises `ConfigError` with one line that names the file or override, the
+key, and what is wrong; the CLI prints that line and exits (a traceback only with --debug).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tempfile
+import typing
+from typing import Any, Literal, Union
+
+import yaml
+
+from megarl.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; str(e) is one complete line."""
+
+
+# ---------------------------------------------------------------------------------------
+# YAML with `extends:`
+
+
+def read_yaml(path: str, _chain: tuple = ()) -> dict:
+    """Read a YAML mapping; `extends: base.yaml` (or a list) is merged underneath it."""
+    path = os.path.abspath(path)
+    if path in _chain:
+        cycle = " -> ".join(os.path.basename(p) for p in (*_chain, path))
+        raise ConfigError(f"{path}: 'extends' cycle: {cycle}")
+    if not os.path.isfile(path):
+        where = f" (extended by {_chain[-1]})" if _chain else ""
+        raise ConfigError(f"{path}: config file not found{where}")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}{line}: invalid YAML: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+    bases = data.pop("extends", None)
+    if bases is None:
+        return data
+    if isinstance(bases, str):
+        bases = [bases]
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ConfigError(f"{path}: 'extends' must be a file name or a list of file names")
+    merged: dict = {}
+    for base in bases:
+        base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
+        merged = deep_merge(merged, read_yaml(base_path, (*_chain, path)))
+    return deep_merge(merged, data)
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Dotted overrides: section.key=value (value parsed as YAML: 1e-5, true, null, [1, 2])
+
+
+def apply_override(data: dict, override: str) -> dict:
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not sep or not key or any(not p or p != p.strip() for p in parts):
+        raise ConfigError(f"override '{override}': expected section.key=value (e.g. optim.lr=1e-5)")
+    _check_path(Config, parts, f"override '{override}'")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise ConfigError(f"override '{override}': value '{raw}' is not valid YAML") from None
+    node = data
+    for p in parts[:-1]:
+        if not isinstance(node.get(p), dict):
+            node[p] = {}
+        node = node[p]
+    node[parts[-1]] = value
+    return data
+
+
+def _check_path(cls, parts: list[str], where: str) -> None:
+    """Reject an override naming a key the schema does not have, before anything runs."""
+    for i, p in enumerate(parts):
+        hints = typing.get_type_hints(cls)
+        if p not in hints:
+            raise ConfigError(f"{where}: unknown key '{'.'.join(parts[: i + 1])}'{_suggest(p, hints, parts[:i])}")
+        cls = _dataclass_in(hints[p])
+        if cls is None and i < len(parts) - 1:
+            raise ConfigError(f"{where}: '{'.'.join(parts[: i + 1])}' is a value, not a section")
+
+
+def _suggest(key: str, valid, prefix: list[str]) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return f" (did you mean '{'.'.join([*prefix, close[0]])}'?)" if close else ""
+
+
+def _dataclass_in(tp):
+    """The dataclass type in `tp` or Optional[tp], else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) is Union:
+        for a in typing.get_args(tp):
+            if dataclasses.is_dataclass(a):
+                return a
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# dict -> dataclass with type checks
+
+
+def build(cls, data: Any, where: str, prefix: str = ""):
+    """Construct dataclass `cls` from a mapping, checking every key and type."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: '{prefix or 'config'}' must be a mapping, got {_show(data)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in hints:
+            raise ConfigError(f"{where}: unknown key '{full}'{_suggest(str(key), hints, prefix.rstrip('.').split('.') if prefix else [])}")
+        kwargs[key] = _coerce(hints[key], value, where, full)
+    return cls(**kwargs)
+
+
+def _coerce(tp, value, where: str, key: str):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union:  # Optional[X]
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, where, key)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, where, key + ".")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: '{key}' must be one of {', '.join(map(repr, args))}; got {_show(value)}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: '{key}' expects a bool (true/false); got {_show(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: '{key}' expects an int; got {_show(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: '{key}' expects a float; got {_show(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: '{key}' expects a string; got {_show(value)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: '{key}' expects a list; got {_show(value)}")
+        return [_coerce(args[0], v, where, f"{key}[{i}]") for i, v in enumerate(value)]
+    raise TypeError(f"schema type {tp} for '{key}' is not supported by the loader")  # a bug, not user error
+
+
+def _show(value) -> str:
+    return "null" if value is None else f"{type(value).__name__} {value!r}"
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """The resolved, type-checked config (cross-field validation is `validate_config`)."""
+    data = read_yaml(path) if path else {}
+    for o in overrides:
+        data = apply_override(data, o)
+    return build(Config, data, path or "config")
+
+
+def config_to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_to_yaml(cfg) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def save_config(cfg, path: str) -> None:
+    """Write the resolved config atomically (a reader never sees half a file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(config_to_yaml(cfg))
+    os.replace(tmp, path)
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{'optim': {'lr': 1}} -> {'optim.lr': 1}; used for tracking params."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

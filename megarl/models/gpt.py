@@ -1,0 +1,162 @@
+"""Llama/Qwen2/Mistral-style decoders on megatron-core's GPTModel, with an LM or scalar head.
+
+`ModelConfig` -> `TransformerConfig` is the only translation; after it, TransformerConfig is
+the single source of model truth (as in megatron-core). The layer spec is swapped, never
+the model code: megatron-core's local modules on CPU, Transformer Engine's on GPU when installed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megarl.config.schema import ModelConfig, ParallelConfig
+from megarl.config.validate import has_module
+from megarl.models import layout
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's rule: pad so every TP shard of the vocabulary has the same, aligned size."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def use_transformer_engine(mc: ModelConfig) -> bool:
+    if mc.transformer_impl == "local":
+        return False
+    available = torch.cuda.is_available() and has_module("transformer_engine")
+    return available if mc.transformer_impl == "auto" else True
+
+
+def transformer_config(mc: ModelConfig, pc: ParallelConfig, precision: str = "fp32", fp8: str | None = None):
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = DTYPES[precision]
+    return TransformerConfig(
+        num_layers=mc.num_layers,
+        hidden_size=mc.hidden_size,
+        ffn_hidden_size=mc.ffn_hidden_size,
+        num_attention_heads=mc.num_attention_heads,
+        num_query_groups=mc.num_kv_heads or mc.num_attention_heads,
+        kv_channels=mc.hidden_size // mc.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=mc.norm_eps,
+        gated_linear_unit=True,  # SwiGLU
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=mc.qkv_bias,
+        attention_dropout=mc.attention_dropout,
+        hidden_dropout=mc.hidden_dropout,
+        init_method_std=mc.init_std,
+        tensor_model_parallel_size=pc.tp,
+        pipeline_model_parallel_size=pc.pp,
+        context_parallel_size=pc.cp,
+        sequence_parallel=pc.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        fp8=fp8,
+        # Fusions that need CUDA kernels stay off; TE brings its own when it is the spec.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        # megatron-core initialises on the device (and only then tags TP-split parameters with
+        # tensor_model_parallel / partition_dim, which grad-norm and layout code rely on);
+        # build_model then overwrites every value layout-invariantly (see layout.py).
+        perform_initialization=True,
+        calculate_per_token_loss=True,  # losses are token sums; grads scaled by total tokens
+        deallocate_pipeline_outputs=True,
+    )
+
+
+def layer_spec(mc: ModelConfig):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if use_transformer_engine(mc):
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+class ScalarHead(nn.Module):
+    """One value per token: the critic's V(s_t) and the reward model's r (read at the last token).
+
+    Replicated (not split) over TP: every TP rank holds the same full hidden states after the
+    final norm, so all ranks compute identical values, and identical gradients keep the copies
+    equal. Takes GPTModel's output-layer call so it drops in for `output_layer`.
+    """
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        # hidden_states: [s(/tp with SP), b, h] -> values [s, b, 1]
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+        return F.linear(hidden_states, self.weight, self.bias), None
+
+
+def build_model(mc: ModelConfig, pc: ParallelConfig, *, head: str = "lm", precision: str = "fp32",
+                fp8: str | None = None, seed: int = 1234):
+    """Build this rank's stage of the model and initialise it layout-invariantly.
+
+    head="lm": logits over this TP rank's vocabulary shard, [b, s, V_pad/tp].
+    head="scalar": values [b, s, 1] on the last pipeline stage.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    if head not in ("lm", "scalar"):
+        raise ValueError(f"head must be 'lm' or 'scalar', got {head!r}")
+    config = transformer_config(mc, pc, precision, fp8)
+    vocab = padded_vocab_size(mc.vocab_size, mc.make_vocab_size_divisible_by, pc.tp)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(mc),
+        vocab_size=vocab,
+        max_sequence_length=mc.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=mc.tie_embeddings and head == "lm",
+        position_embedding_type="rope",
+        rotary_base=int(mc.rotary_base),
+        rope_scaling=mc.rope_scaling_factor is not None,
+        rope_scaling_factor=mc.rope_scaling_factor or 8.0,
+    )
+    if head == "scalar" and model.post_process:
+        model.output_layer = ScalarHead(mc.hidden_size, pc.sequence_parallel, config.params_dtype)
+    model.megarl_head = head
+    model.megarl_vocab_size = mc.vocab_size
+    layout.init_parameters(model, seed=seed, std=mc.init_std, num_layers=mc.num_layers,
+                           vocab_size=mc.vocab_size, tied=mc.tie_embeddings and head == "lm")
+    return model
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Give the TP padding columns of a vocab shard zero probability, in place.
+
+    logits: [..., V_pad/tp] on TP rank r, holding global columns [r*V_pad/tp, (r+1)*V_pad/tp).
+    Padding must not take softmax mass, or the loss would depend on TP (the padded size does).
+    A large finite negative (not -inf) keeps p*logit = 0 in entropy sums instead of NaN.
+    """
+    from megatron.core import parallel_state as ps
+
+    width = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * width
+    first_pad = max(vocab_size - start, 0)
+    if first_pad < width:
+        fill = torch.finfo(logits.dtype).min if logits.dtype == torch.float16 else -1e30
+        logits[..., first_pad:] = fill
+    return logits

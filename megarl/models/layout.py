@@ -1,0 +1,189 @@
+"""Map a rank's parameter shards to and from full, layout-independent tensors.
+
+A *canonical* parameter is what a TP=1, PP=1 model holds: global layer numbers, the real
+(unpadded) vocabulary, megatron-core local-spec names. Everything that must not depend on the
+parallel layout goes through here: initialisation (the same weights whatever TP/PP/DP),
+gathering full parameters (tests, export), and loading full tensors (import).
+
+TP sharding follows megatron-core's attributes (`tensor_model_parallel`, `partition_dim`),
+with two layouts that are not a plain chunk:
+  * vocabulary rows: padded to a TP multiple; the canonical tensor keeps the real rows only;
+  * SwiGLU fc1: each rank holds [gate_r; up_r], so the full [gate; up] is chunked per half.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.distributed as dist
+
+# Transformer Engine fuses the pre-norms into the following linear; canonical names are local-spec.
+_TE_RENAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+_SCALED_INIT = ("linear_proj.weight", "linear_fc2.weight")  # residual-branch outputs
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def canonical_name(model, local_name: str) -> str:
+    """'decoder.layers.0.x' on pipeline stage 1 of 2 (4 layers) -> 'decoder.layers.2.x'."""
+    name = local_name
+    for te, local in _TE_RENAMES.items():
+        name = name.replace(te, local)
+    if name.startswith("decoder.layers."):
+        idx, rest = name[len("decoder.layers."):].split(".", 1)
+        global_idx = model.decoder.layers[int(idx)].layer_number - 1
+        return f"decoder.layers.{global_idx}.{rest}"
+    if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
+        return "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
+    return name
+
+
+def split_kind(name: str, param) -> tuple[str | None, int]:
+    """(kind, dim): kind is None (replicated), 'chunk', 'vocab' or 'swiglu'."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None, 0
+    dim = param.partition_dim
+    if name.endswith("word_embeddings.weight") or name == "output_layer.weight":
+        return "vocab", dim
+    if name.endswith("linear_fc1.weight"):
+        return "swiglu", dim
+    return "chunk", dim
+
+
+def full_shape(local_shape, kind, dim, tp: int, vocab_size: int) -> tuple:
+    shape = list(local_shape)
+    if kind == "vocab":
+        shape[dim] = vocab_size
+    elif kind is not None:
+        shape[dim] *= tp
+    return tuple(shape)
+
+
+def shard(full: torch.Tensor, kind, dim: int, tp_rank: int, tp: int, local_shape) -> torch.Tensor:
+    """This TP rank's piece of a canonical tensor, in the local parameter's shape."""
+    if kind is None:
+        return full
+    if kind == "vocab":
+        rows = local_shape[dim]
+        out = full.new_zeros(local_shape)  # padded rows stay zero and are masked out of softmax
+        start, stop = tp_rank * rows, min((tp_rank + 1) * rows, full.shape[dim])
+        if stop > start:
+            out.narrow(dim, 0, stop - start).copy_(full.narrow(dim, start, stop - start))
+        return out
+    if kind == "swiglu":
+        gate, up = full.chunk(2, dim)
+        return torch.cat([gate.chunk(tp, dim)[tp_rank], up.chunk(tp, dim)[tp_rank]], dim)
+    return full.chunk(tp, dim)[tp_rank]
+
+
+def unshard(shards: list[torch.Tensor], kind, dim: int, vocab_size: int) -> torch.Tensor:
+    """Inverse of `shard` given every TP rank's piece in rank order."""
+    if kind is None:
+        return shards[0]
+    if kind == "vocab":
+        return torch.cat(shards, dim).narrow(dim, 0, vocab_size)
+    if kind == "swiglu":
+        halves = [s.chunk(2, dim) for s in shards]
+        return torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
+    return torch.cat(shards, dim)
+
+
+def _tp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+
+
+def init_full(canon: str, shape, *, seed: int, std: float, num_layers: int) -> torch.Tensor:
+    """The canonical initial value of one parameter: a pure function of (seed, name, shape).
+
+    Norm weights 1, biases 0, residual-branch outputs N(0, std/sqrt(2L)) as in Megatron/GPT-2,
+    other matrices N(0, std). float32; callers cast to the parameter dtype.
+    """
+    if canon.endswith("norm.weight"):
+        return torch.ones(shape)
+    if canon.endswith("bias"):
+        return torch.zeros(shape)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(canon.encode())) % (2**63))
+    scale = std / math.sqrt(2 * num_layers) if canon.endswith(_SCALED_INIT) else std
+    return torch.randn(shape, generator=gen) * scale
+
+
+@torch.no_grad()
+def init_parameters(model, *, seed: int, std: float, num_layers: int, vocab_size: int, tied: bool) -> None:
+    """Give every local shard its slice of the canonical initial tensors (layout-invariant)."""
+    model = unwrap(model)
+    tp_rank, tp = _tp()
+    for name, p in model.named_parameters():
+        canon = canonical_name(model, name)
+        kind, dim = split_kind(name, p)
+        full = init_full(canon, full_shape(p.shape, kind, dim, tp, vocab_size), seed=seed, std=std, num_layers=num_layers)
+        p.copy_(shard(full, kind, dim, tp_rank, tp, p.shape))
+
+
+@torch.no_grad()
+def load_full_state_dict(model, full: dict[str, torch.Tensor], vocab_size: int) -> None:
+    """Copy canonical tensors into this rank's shards; every local parameter must be present."""
+    model = unwrap(model)
+    tp_rank, tp = _tp()
+    missing, wrong = [], []
+    for name, p in model.named_parameters():
+        canon = canonical_name(model, name)
+        kind, dim = split_kind(name, p)
+        if canon not in full:
+            missing.append(canon)
+            continue
+        want = full_shape(p.shape, kind, dim, tp, vocab_size)
+        if tuple(full[canon].shape) != want:
+            wrong.append(f"{canon}: expected {list(want)}, got {list(full[canon].shape)}")
+    if missing or wrong:
+        raise ValueError("cannot load weights: " + "; ".join(
+            ([f"missing {', '.join(missing)}"] if missing else []) + wrong))
+    for name, p in model.named_parameters():
+        kind, dim = split_kind(name, p)
+        p.copy_(shard(full[canonical_name(model, name)].to(p.dtype), kind, dim, tp_rank, tp, p.shape))
+
+
+@torch.no_grad()
+def gather_full_state_dict(model, vocab_size: int) -> dict[str, torch.Tensor] | None:
+    """All canonical parameters (float32, CPU) on global rank 0; None on other ranks.
+
+    All-gathers over TP, then collects pipeline stages on rank 0. Meant for tests, export and
+    small models: rank 0 holds the full model in host memory.
+    """
+    from megatron.core import parallel_state as ps
+
+    model = unwrap(model)
+    _, tp = _tp()
+    group = ps.get_tensor_model_parallel_group()
+    stage: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        kind, dim = split_kind(name, p)
+        data = p.detach().to("cpu", torch.float32, copy=True)  # never alias live parameters
+        if kind is not None and tp > 1:
+            shards = [torch.empty_like(data) for _ in range(tp)]
+            dist.all_gather(shards, data.contiguous(), group=group)
+        else:
+            shards = [data]
+        stage[canonical_name(model, name)] = unshard(shards, kind, dim, vocab_size)
+    first_replica = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return stage
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(stage if first_replica else {}, gathered, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        for k, v in part.items():
+            merged.setdefault(k, v)
+    return merged

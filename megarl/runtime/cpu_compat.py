@@ -1,0 +1,112 @@
+"""Make megatron-core run on a machine without CUDA (gloo, CPU tensors).
+
+megatron-core assumes CUDA in a handful of places. `enable()` bridges exactly those, and
+does nothing at all when CUDA is available, so GPU runs use megatron-core untouched:
+
+1. `torch.cuda.current_device()` (e.g. GlobalMemoryBuffer) yields the CPU device.
+2. Tensor factories called with `device="cuda"`, `torch.device("cuda")` or an integer device
+   (e.g. the pipeline schedules' `torch.zeros(..., device="cuda")`) are sent to CPU by a
+   TorchFunctionMode, which sees every call however it is spelled.
+3. `Tensor.cuda()` returns the tensor; `torch.cuda.synchronize()` is a no-op.
+4. The tensor-parallel RNG tracker forks the CPU generator instead of CUDA RNG states, so
+   dropout inside TP regions is still seeded per TP rank, as on GPU.
+5. `Tensor.type()` names CPU tensors as their CUDA twins ('torch.cuda.FloatTensor'): the
+   optimizer and gradient clipping classify parameters by that string; `.type('torch.cuda.X')`
+   converts on CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_mode: TorchFunctionMode | None = None  # the process-wide mode once enabled
+
+
+def _is_cuda_device(dev) -> bool:
+    if isinstance(dev, bool):
+        return False
+    if isinstance(dev, int):  # an integer device is a CUDA ordinal
+        return True
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return isinstance(dev, torch.device) and dev.type == "cuda"
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites any CUDA device argument of a torch call to CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.type:
+            if len(args) > 1 and isinstance(args[1], str):
+                args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
+            out = func(*args, **kwargs)
+            if isinstance(out, str) and out.startswith("torch.") and not out.startswith("torch.cuda."):
+                out = "torch.cuda." + out[len("torch."):]
+            return out
+        if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, torch.device)) and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class CPURNGStatesTracker:
+    """Named CPU generator states, forked like megatron's CudaRNGStatesTracker."""
+
+    def __new__(cls):
+        from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+        class _Tracker(CudaRNGStatesTracker):
+            def add(self, name, seed):
+                self._is_initialized = True
+                if seed in self.seeds_:
+                    raise Exception(f"seed {seed} already exists")
+                if name in self.states_:
+                    raise Exception(f"rng state {name} already exists")
+                self.seeds_.add(seed)
+                saved = torch.get_rng_state()
+                torch.manual_seed(seed)
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+            @contextlib.contextmanager
+            def fork(self, name="model-parallel-rng"):
+                if name not in self.states_:
+                    raise Exception(f"rng state {name} is not added")
+                saved = torch.get_rng_state()
+                torch.set_rng_state(self.states_[name])
+                try:
+                    yield
+                finally:
+                    self.states_[name] = torch.get_rng_state()
+                    torch.set_rng_state(saved)
+
+        return _Tracker()
+
+
+def enable() -> bool:
+    """Install the bridges if CUDA is absent. Idempotent. Returns whether they are active."""
+    global _mode
+    if torch.cuda.is_available():
+        return False
+    if _mode is not None:
+        return True
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+    _mode = CudaToCpuMode()
+    _mode.__enter__()
+    return True
+
+
+def is_enabled() -> bool:
+    return _mode is not None

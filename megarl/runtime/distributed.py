@@ -1,0 +1,122 @@
+"""torch.distributed + megatron-core parallel_state, from torchrun or SLURM environments.
+
+One process per GPU (or per CPU worker). The rank layout is megatron-core's (tp fastest,
+then cp, dp, pp), so every group comes from `parallel_state` and nothing here keeps its own.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import subprocess
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.runtime import cpu_compat
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun", "slurm" or "single"
+
+
+def _slurm_master_addr(environ) -> str:
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return "127.0.0.1"
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, check=True, timeout=30)
+        return out.stdout.split()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return nodelist.split(",")[0].split("[")[0]  # plain single-host lists
+
+
+def process_env(environ=None) -> ProcessEnv:
+    """Rank/world from torchrun (RANK...) or from srun (SLURM_PROCID...), else one process."""
+    environ = os.environ if environ is None else environ
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return ProcessEnv(int(environ["RANK"]), int(environ["WORLD_SIZE"]),
+                          int(environ.get("LOCAL_RANK", 0)), environ.get("MASTER_ADDR", "127.0.0.1"),
+                          int(environ.get("MASTER_PORT", 29500)), "torchrun")
+    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
+        job = int(environ.get("SLURM_JOB_ID", "0") or 0)
+        return ProcessEnv(int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"]),
+                          int(environ.get("SLURM_LOCALID", 0)),
+                          environ.get("MASTER_ADDR") or _slurm_master_addr(environ),
+                          int(environ.get("MASTER_PORT", 20000 + job % 20000)), "slurm")
+    return ProcessEnv(0, 1, 0, "127.0.0.1", int(environ.get("MASTER_PORT", 29500)), "single")
+
+
+def world_size_from_env(environ=None) -> int:
+    """The world size before any process group exists (for config validation)."""
+    return process_env(environ).world_size
+
+
+def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, *, seed: int = 1234,
+                     backend: str = "auto", timeout_minutes: int = 30) -> ProcessEnv:
+    """Create the default process group and megatron-core's parallel groups, then seed.
+
+    Idempotent for the default group: a caller (a test harness, an outer launcher) may have
+    created it already.
+    """
+    from megatron.core import parallel_state
+
+    env = process_env()
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    else:
+        cpu_compat.enable()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp)
+    set_seed(seed)
+    return env
+
+
+def set_seed(seed: int) -> None:
+    """Megatron's convention: the same base seed on every DP replica (identical dropout masks
+    are not required, identical weights are), offset per pipeline stage; per-TP-rank streams
+    come from the tensor-parallel RNG tracker."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def teardown() -> None:
+    """Destroy megatron's groups and the default group; safe to call twice."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
