@@ -33,3 +33,24 @@ def masked_mse(values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor):
     loss_sum = 0.5 * err.sum()
     count = m.sum().to(torch.int)
     return loss_sum, count, {"value_loss": _metric(loss_sum, count)}
+
+
+def bradley_terry(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: float = 0.0, center_coef: float = 0.0):
+    """Pairwise reward-model loss: -log sigmoid(r_c - r_r - margin) [+ coef * (r_c + r_r)^2].
+
+    r_chosen, r_rejected: [n] rewards read at the last token of each prompt+response. The
+    centring term (Eisenstein et al., 2023) pins the free additive constant of the rewards near 0.
+    """
+    diff = r_chosen.float() - r_rejected.float()
+    per_pair = -torch.nn.functional.logsigmoid(diff - margin)
+    if center_coef:
+        per_pair = per_pair + center_coef * (r_chosen.float() + r_rejected.float()) ** 2
+    loss_sum = per_pair.sum()
+    n = torch.tensor(diff.numel(), dtype=torch.int)
+    return loss_sum, n, {
+        "loss": _metric(loss_sum, n),
+        "accuracy": _metric((diff > 0).float().sum(), n),
+        "reward_gap": _metric(diff.sum(), n),
+        "reward_chosen": _metric(r_chosen.float().sum(), n),
+        "reward_rejected": _metric(r_rejected.float().sum(), n),
+    }

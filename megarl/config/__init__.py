@@ -4,7 +4,8 @@ from megarl.config.loader import (
 )
 from megarl.config.schema import (
     CheckpointConfig, Config, DataConfig, LauncherConfig, LRScheduleConfig, ModelConfig,
-    OffloadConfig, OptimConfig, ParallelConfig, RoleConfig, RolesConfig, TokenizerConfig,
+    OffloadConfig, OptimConfig, ParallelConfig, RewardModelConfig, RoleConfig, RolesConfig,
+    SFTConfig, TokenizerConfig,
     TrackingConfig, TrainConfig,
 )
 from megarl.config.validate import check_config, data_parallel_size, has_module, validate_config

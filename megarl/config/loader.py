@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import tempfile
 import typing
 from typing import Any, Literal, Union
@@ -15,6 +16,9 @@ from typing import Any, Literal, Union
 import yaml
 
 from megarl.config.schema import Config
+
+
+_SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class ConfigError(ValueError):
@@ -128,7 +132,7 @@ def _dataclass_in(tp):
 def build(cls, data: Any, where: str, prefix: str = ""):
     """Construct dataclass `cls` from a mapping, checking every key and type."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: '{prefix or 'config'}' must be a mapping, got {_show(data)}")
+        raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'config'}' must be a mapping, got {_show(data)}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
@@ -161,6 +165,8 @@ def _coerce(tp, value, where: str, key: str):
             raise ConfigError(f"{where}: '{key}' expects an int; got {_show(value)}")
         return value
     if tp is float:
+        if isinstance(value, str) and _SCI_FLOAT.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: '{key}' expects a float; got {_show(value)}")
         return float(value)

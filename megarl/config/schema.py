@@ -153,6 +153,23 @@ class LauncherConfig:
 
 
 @dataclass
+class SFTConfig:
+    eval_samples: int = 4  # held-out prompts decoded greedily at each evaluation (0: none)
+    max_new_tokens: int = 48
+
+
+@dataclass
+class RewardModelConfig:
+    """Pairwise Bradley-Terry: loss = -log sigmoid(r_chosen - r_rejected - margin)."""
+
+    margin: float = 0.0
+    center_coef: float = 0.0  # + coef * (r_chosen + r_rejected)^2 keeps rewards centred at 0
+    freeze_backbone: bool = False  # train only the scalar head (a remedy for RM overfitting)
+    # "sft": <run_dir>/sft/checkpoints/latest; a path: that checkpoint; null: random init
+    init_from: Optional[str] = "sft"
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -165,3 +182,5 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     roles: RolesConfig = field(default_factory=RolesConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)

@@ -137,6 +137,8 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None) -> list
         errs.append(f"data.loader=dali needs NVIDIA DALI: {DALI_HINT}")
     if d.num_workers < 0:
         errs.append(f"data.num_workers must be >= 0, got {d.num_workers}")
+    if cfg.reward_model.freeze_backbone and p.pp > 1:
+        errs.append("reward_model.freeze_backbone needs parallel.pp=1 (earlier stages would hold no trainable parameters)")
     if cfg.tokenizer.kind == "hf" and not cfg.tokenizer.path:
         errs.append("tokenizer.kind=hf needs tokenizer.path (a local directory with tokenizer.json)")
     if cfg.checkpoint.keep_last < 1 or cfg.checkpoint.save_interval < 0:

@@ -6,6 +6,8 @@ the model code: megatron-core's local modules on CPU, Transformer Engine's on GP
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,8 +20,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron's rule: pad so every TP shard of the vocabulary has the same, aligned size."""
-    multiple = divisible_by * tp
+    """Pad the vocabulary to a multiple of lcm(divisible_by, tp).
+
+    Megatron-LM pads to divisible_by * tp, which makes the padded size (and so the embedding's
+    global shape) depend on TP; with the lcm it is the same for every TP dividing
+    `divisible_by`, so checkpoints reshard across TP without touching the vocabulary.
+    """
+    multiple = math.lcm(divisible_by, tp)
     return -(-vocab_size // multiple) * multiple
 
 
@@ -131,7 +138,7 @@ def build_model(mc: ModelConfig, pc: ParallelConfig, *, head: str = "lm", precis
         parallel_output=True,
         share_embeddings_and_output_weights=mc.tie_embeddings and head == "lm",
         position_embedding_type="rope",
-        rotary_base=int(mc.rotary_base),
+        rotary_base=mc.rotary_base,  # float thetas (e.g. 1e6) pass through exactly
         rope_scaling=mc.rope_scaling_factor is not None,
         rope_scaling_factor=mc.rope_scaling_factor or 8.0,
     )
@@ -160,3 +167,24 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         fill = torch.finfo(logits.dtype).min if logits.dtype == torch.float16 else -1e30
         logits[..., first_pad:] = fill
     return logits
+
+
+def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Global token ids of the row maxima of vocab-sharded logits [..., V/tp] -> [...].
+
+    Ties resolve to the lowest id, as torch.argmax does on unsharded logits.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    local_max, local_idx = logits.max(dim=-1)
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return local_idx
+    global_idx = local_idx + ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+    packed = torch.stack([local_max.float(), global_idx.float()])  # ids < 2^24 are exact in fp32
+    gathered = [torch.empty_like(packed) for _ in range(tp)]
+    dist.all_gather(gathered, packed.contiguous(), group=ps.get_tensor_model_parallel_group())
+    stacked = torch.stack(gathered)  # [tp, 2, ...]
+    winner = stacked[:, 0].argmax(dim=0, keepdim=True)  # first (lowest-rank) maximum
+    return stacked[:, 1].gather(0, winner).squeeze(0).long()

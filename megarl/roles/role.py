@@ -39,7 +39,7 @@ class Role:
     def __init__(self, name: str, model_cfg: ModelConfig, parallel: ParallelConfig, *,
                  head: str = "lm", precision: str = "fp32", fp8: str | None = None, seed: int = 1234,
                  optim: OptimConfig | None = None, schedule: LRScheduleConfig | None = None,
-                 train_steps: int = 1):
+                 train_steps: int = 1, train_only_head: bool = False):
         from megatron.core.distributed import (
             DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
         )
@@ -48,6 +48,9 @@ class Role:
         self.name, self.model_cfg, self.head = name, model_cfg, head
         gpt = build_model(model_cfg, parallel, head=head, precision=precision, fp8=fp8, seed=seed)
         self.config = gpt.config  # TransformerConfig: the single source of model truth
+        if train_only_head:  # frozen before DDP and the optimizer see the parameters
+            for pname, p in gpt.named_parameters():
+                p.requires_grad_(pname.startswith("output_layer."))
         module = Float16Module(self.config, gpt) if precision in ("bf16", "fp16") else gpt
         self.optimizer = self.scheduler = None
         if optim is not None:
@@ -107,6 +110,33 @@ class Role:
     @torch.no_grad()
     def evaluate(self, microbatches: list[Batch], loss_fn: LossFn) -> dict:
         return self.forward_backward(microbatches, loss_fn, forward_only=True)
+
+    @torch.no_grad()
+    def forward_collect(self, microbatches: list[Batch], collect: Callable[[Batch, torch.Tensor], object]) -> list:
+        """Forward only; `collect(batch, output)` runs on the last stage for each microbatch
+        (keep its result small: argmax ids, values at a few positions) and the list of results
+        reaches every rank of the pipeline."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            batch = next(data_iterator)
+            output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+            return output, lambda out, non_loss_data=True: collect(batch, out)
+
+        b, s = microbatches[0]["tokens"].shape
+        for c in self.chunks:
+            c.eval()
+        results = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(microbatches), model=self.chunks,
+            num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
+            forward_only=True, collect_non_loss_data=True)
+        if dist.is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
+            box = [results if ps.is_pipeline_last_stage() else None]
+            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                       group=ps.get_pipeline_model_parallel_group())
+            results = box[0]
+        return list(results)
 
 
 def reduce_metrics(reported: list[dict]) -> dict:

@@ -53,7 +53,16 @@ def process_env(environ=None) -> ProcessEnv:
                           int(environ.get("SLURM_LOCALID", 0)),
                           environ.get("MASTER_ADDR") or _slurm_master_addr(environ),
                           int(environ.get("MASTER_PORT", 20000 + job % 20000)), "slurm")
-    return ProcessEnv(0, 1, 0, "127.0.0.1", int(environ.get("MASTER_PORT", 29500)), "single")
+    port = int(environ["MASTER_PORT"]) if "MASTER_PORT" in environ else _free_port()  # lone runs never collide
+    return ProcessEnv(0, 1, 0, "127.0.0.1", port, "single")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def world_size_from_env(environ=None) -> int:

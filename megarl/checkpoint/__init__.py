@@ -1,0 +1,1 @@
+"""Checkpoints: distributed save/load (distributed.py) and Hugging Face interop (hf.py)."""

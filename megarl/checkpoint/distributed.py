@@ -1,0 +1,269 @@
+"""Resumable, reshardable, atomic checkpoints on megatron-core dist_checkpointing.
+
+Layout of a stage's checkpoint root:
+    checkpoints/
+      step_00000100/          one complete checkpoint (dist_checkpointing files + manifest)
+        megarl_manifest.json  written last: step, layout, every file with its size
+      latest                  text file naming the newest complete checkpoint, replaced last
+A save writes into `.tmp-step_...`, makes every file durable, writes the manifest, renames
+the directory, then replaces `latest`: a crash at any point leaves the previous checkpoint
+intact and `latest` pointing at it. A load verifies the manifest before reading anything.
+
+What is saved, per role: model weights (sharded tensors: any TP/PP/DP layout can load them),
+optimizer state, LR scheduler. Shared: the trainer's `state` dict (step, data position,
+tracking run id, any controller state) and per-rank RNG states. RNG states are restored only
+into the same layout they were saved from (a different layout has different ranks).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+MANIFEST = "megarl_manifest.json"
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; str(e) names it and the last good one."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _layout() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(), "cp": ps.get_context_parallel_world_size()}
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(s: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(s["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(s["tracker"])
+
+
+def _rng_sharded_object(data):
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    shape = (ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size(),
+             ps.get_data_parallel_world_size(with_context_parallel=True))
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(),
+              ps.get_data_parallel_rank(with_context_parallel=True))
+    return ShardedObject("rng_state", data, shape, offset, replica_id=0)
+
+
+def _sharded_state_dict(roles: dict, state: dict, rng, is_loading: bool) -> dict:
+    from megarl.models.layout import unwrap
+
+    sd = {"state": state, "rng": _rng_sharded_object(rng)} if rng is not None else {"state": state}
+    for name, role in roles.items():
+        model_sd = unwrap(role.model).sharded_state_dict(prefix=f"{name}.model.")
+        entry = {"model": model_sd}
+        if role.optimizer is not None:
+            entry["optimizer"] = role.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            entry["scheduler"] = role.scheduler.state_dict()
+        sd[name] = entry
+    return sd
+
+
+def _fsync_tree(path: str) -> dict:
+    """fsync every file and directory under path; return {relative file: size}."""
+    files = {}
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            full = os.path.join(dirpath, n)
+            with open(full, "rb") as f:
+                os.fsync(f.fileno())
+            files[os.path.relpath(full, path)] = os.path.getsize(full)
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return files
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def save_checkpoint(root: str, step: int, roles: dict, state: dict, keep_last: int = 2) -> str:
+    """Save every role plus `state` as checkpoint `step` under `root`; collective."""
+    from megatron.core import dist_checkpointing
+
+    final = os.path.join(root, step_dir_name(step))
+    tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash
+        os.makedirs(tmp)
+    _barrier()
+    sd = _sharded_state_dict(roles, dict(state, step=step), _rng_state(), is_loading=False)
+    dist_checkpointing.save(sd, tmp)
+    _barrier()
+    if _rank() == 0:
+        files = _fsync_tree(tmp)
+        manifest = {"step": step, "layout": _layout(), "roles": sorted(roles), "files": files}
+        _write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _write_atomic(os.path.join(root, LATEST), step_dir_name(step) + "\n")
+        for old in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    _barrier()
+    return final
+
+
+def list_checkpoints(root: str) -> list[str]:
+    """Complete checkpoint directory names under root, oldest first (no validation)."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(d for d in os.listdir(root) if d.startswith("step_") and os.path.isfile(os.path.join(root, d, MANIFEST)))
+
+
+def verify_checkpoint(path: str) -> dict:
+    """The manifest of a complete, intact checkpoint; CheckpointError otherwise."""
+    mpath = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mpath):
+        raise CheckpointError(f"{path}: incomplete checkpoint (no {MANIFEST}; the save did not finish)")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{mpath}: unreadable manifest ({e})") from None
+    for rel, size in manifest["files"].items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            raise CheckpointError(f"{path}: corrupt checkpoint, missing file {rel}")
+        if os.path.getsize(full) != size:
+            raise CheckpointError(f"{path}: corrupt checkpoint, {rel} has {os.path.getsize(full)} bytes, expected {size}")
+    return manifest
+
+
+def _last_good(root: str, exclude: str) -> str:
+    for name in reversed(list_checkpoints(root)):
+        if name == exclude:
+            continue
+        try:
+            verify_checkpoint(os.path.join(root, name))
+            return os.path.join(root, name)
+        except CheckpointError:
+            continue
+    return "none"
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The checkpoint `latest` names, verified; None when the root has none yet."""
+    pointer = os.path.join(root, LATEST)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        name = f.read().strip()
+    path = os.path.join(root, name)
+    try:
+        verify_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; last good checkpoint: {_last_good(root, name)}") from None
+    return path
+
+
+def load_checkpoint(path: str, roles: dict, *, load_optimizer: bool = True) -> dict:
+    """Load roles (any layout) from a verified checkpoint; returns the saved `state` dict."""
+    from megatron.core import dist_checkpointing
+
+    from megarl.models.layout import unwrap
+
+    manifest = verify_checkpoint(path)
+    missing = sorted(set(roles) - set(manifest["roles"]))
+    if missing:
+        raise CheckpointError(f"{path}: has no role(s) {', '.join(missing)} (saved: {', '.join(manifest['roles'])})")
+    same_layout = manifest["layout"] == _layout()
+    wanted = {n: r for n, r in roles.items()}
+    sd = _sharded_state_dict(wanted, {}, _rng_state() if same_layout else None, is_loading=True)
+    if not load_optimizer:
+        for entry in sd.values():
+            if isinstance(entry, dict):
+                entry.pop("optimizer", None)
+                entry.pop("scheduler", None)
+    loaded = dist_checkpointing.load(sd, path)
+    for name, role in roles.items():
+        prefix = f"{name}.model."
+        weights = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in loaded[name]["model"].items()}
+        unwrap(role.model).load_state_dict(weights, strict=True)
+        if load_optimizer and role.optimizer is not None:
+            role.optimizer.load_state_dict(loaded[name]["optimizer"])
+            role.scheduler.load_state_dict(loaded[name]["scheduler"])
+    if same_layout and "rng" in loaded:
+        _set_rng_state(loaded["rng"])
+    return loaded["state"]
+
+
+def load_weights(path: str, role, *, saved_role: str | None = None, skip_head: bool = False) -> None:
+    """Model weights only (no optimizer) from a checkpoint, into `role` at any layout.
+
+    saved_role: the role name inside the checkpoint (default: its only role). skip_head: leave
+    `output_layer.*` as initialised, e.g. a reward model's scalar head started from an SFT model.
+    """
+    from megatron.core import dist_checkpointing
+
+    from megarl.models.layout import unwrap
+
+    manifest = verify_checkpoint(path)
+    if saved_role is None:
+        if len(manifest["roles"]) != 1:
+            raise CheckpointError(f"{path}: holds roles {', '.join(manifest['roles'])}; name the one to load")
+        saved_role = manifest["roles"][0]
+    if saved_role not in manifest["roles"]:
+        raise CheckpointError(f"{path}: has no role {saved_role} (saved: {', '.join(manifest['roles'])})")
+    prefix = f"{saved_role}.model."
+    model = unwrap(role.model)
+    sd = model.sharded_state_dict(prefix=prefix)
+    if skip_head:
+        sd = {k: v for k, v in sd.items() if not k[len(prefix):].startswith("output_layer.")}
+    loaded = dist_checkpointing.load(sd, path)
+    weights = {k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)}
+    result = model.load_state_dict(weights, strict=False)
+    missing = [k for k in result.missing_keys if not (skip_head and k.startswith("output_layer."))]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"{path}: weights do not fit this model (missing {missing}, unexpected {result.unexpected_keys})")

@@ -1,0 +1,536 @@
+"""Hugging Face interop: Llama / Qwen2 / Mistral safetensors checkpoints <-> canonical tensors.
+
+The canonical dict (see megarl/models/layout.py) is what a TP=1/PP=1 megarl model holds, so
+this module never touches process groups: a converter process and a role being built
+(`model.init_from: <hf dir>`) call the same pure functions, and `layout.load_full_state_dict`
+/ `gather_full_state_dict` do the sharding.
+
+Name mapping per layer i (HF `model.layers.{i}.` -> canonical `decoder.layers.{i}.`):
+    input_layernorm.weight              -> input_layernorm.weight
+    self_attn.{q,k,v}_proj.{weight,bias} -> self_attention.linear_qkv.{weight,bias}  (fused per
+        KV group g: [q heads of g; k_g; v_g], megatron-core's layout)
+    self_attn.o_proj.weight             -> self_attention.linear_proj.weight
+    post_attention_layernorm.weight     -> pre_mlp_layernorm.weight
+    mlp.{gate,up}_proj.weight           -> mlp.linear_fc1.weight  ([gate; up])
+    mlp.down_proj.weight                -> mlp.linear_fc2.weight
+plus model.embed_tokens.weight -> embedding.word_embeddings.weight, model.norm.weight ->
+decoder.final_layernorm.weight and lm_head.weight -> output_layer.weight (absent when tied).
+
+Import validates everything (config, files, names, shapes) before reading any tensor data and
+reports all problems in one line; export writes into a temporary directory and renames it.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from megarl.config.schema import ModelConfig
+
+# architecture -> (model_type, attention projections carry a bias)
+ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", False),
+    "Qwen2ForCausalLM": ("qwen2", True),
+    "MistralForCausalLM": ("mistral", False),
+}
+# megatron-core's RotaryEmbedding._apply_scaling hard-codes these (Llama-3.1 values); only the
+# factor is configurable (ModelConfig.rope_scaling_factor).
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+# Derived buffers some older checkpoints carry; recomputed from the config, never loaded.
+_DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def _names(items, limit: int = 8) -> str:
+    items = list(items)
+    more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+# --------------------------------------------------------------------------- config
+
+
+def hf_config_to_model_config(config_json: dict, *, source: str = "config.json") -> ModelConfig:
+    """A Hugging Face config.json (dict) -> ModelConfig; ValueError naming what is unsupported.
+
+    Accepts both transformers-4 keys (rope_theta / rope_scaling) and transformers-5 keys
+    (rope_parameters). Rejects anything megarl would silently compute differently.
+    `source` prefixes error messages (the file's path when read from disk).
+    """
+    try:
+        return _model_config(config_json)
+    except ValueError as e:  # the rules below say "config.json: ..."; name the real file
+        raise ValueError(str(e).replace("config.json:", f"{source}:", 1)) from None
+
+
+def _model_config(c: dict) -> ModelConfig:
+    archs = c.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise ValueError(f"config.json: unsupported architectures {archs!r}; supported: {_names(ARCHITECTURES)}")
+    arch = archs[0]
+    _, qkv_bias = ARCHITECTURES[arch]
+
+    def need(key):
+        if c.get(key) is None:
+            raise ValueError(f"config.json: missing required key '{key}' for {arch}")
+        return c[key]
+
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    max_pos = int(need("max_position_embeddings"))
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"config.json: hidden_size {hidden}, num_attention_heads {heads} and "
+                         f"num_key_value_heads {kv_heads} must divide evenly")
+    if c.get("head_dim") is not None and int(c["head_dim"]) != hidden // heads:
+        raise ValueError(f"config.json: head_dim {c['head_dim']} != hidden_size/num_attention_heads "
+                         f"({hidden // heads}) is unsupported")
+    if c.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act {c['hidden_act']!r} is unsupported (megarl uses SwiGLU with silu)")
+    for flag in ("attention_bias", "mlp_bias", "use_mrope"):
+        if c.get(flag):
+            raise ValueError(f"config.json: {flag}=true is unsupported for {arch}")
+    if c.get("quantization_config"):
+        raise ValueError("config.json: quantization_config is unsupported (quantized checkpoints)")
+    _check_full_attention(c, arch, int(need("num_hidden_layers")), max_pos)
+    theta, factor = _rope(c)
+    return ModelConfig(
+        num_layers=int(c["num_hidden_layers"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(need("intermediate_size")),
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        vocab_size=int(need("vocab_size")),
+        max_position_embeddings=max_pos,
+        rotary_base=theta,
+        rope_scaling_factor=factor,
+        qkv_bias=qkv_bias,
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        init_std=float(c.get("initializer_range", 0.02)),
+        attention_dropout=float(c.get("attention_dropout", 0.0) or 0.0),
+    )
+
+
+def _check_full_attention(c: dict, arch: str, num_layers: int, max_pos: int) -> None:
+    """megarl attends causally over the whole sequence: a window must never bind."""
+    window = c.get("sliding_window")
+    binds = window is not None and int(window) < max_pos
+    if arch == "MistralForCausalLM" and binds:
+        raise ValueError(f"config.json: sliding_window {window} < max_position_embeddings {max_pos} is unsupported "
+                         "(set sliding_window to null or >= max_position_embeddings)")
+    if arch == "Qwen2ForCausalLM":
+        layer_types = c.get("layer_types")
+        if layer_types is None:  # transformers 4: layers >= max_window_layers slide
+            first = int(c.get("max_window_layers", num_layers))
+            layer_types = ["sliding_attention" if c.get("use_sliding_window") and i >= first else "full_attention"
+                           for i in range(num_layers)]
+        sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
+        if sliding and binds and c.get("use_sliding_window", True):
+            raise ValueError(f"config.json: use_sliding_window/layer_types make layers {sliding} use a "
+                             f"sliding_window of {window} < max_position_embeddings {max_pos}; unsupported")
+    elif any(t != "full_attention" for t in c.get("layer_types") or []):
+        raise ValueError(f"config.json: layer_types {sorted(set(c['layer_types']))} unsupported (full_attention only)")
+
+
+def _rope(c: dict) -> tuple[float, float | None]:
+    """(rotary_base, rope_scaling_factor) from either transformers generation of keys."""
+    params = c.get("rope_parameters")
+    key = "rope_parameters"
+    if params is None:
+        params = c.get("rope_scaling") or {}
+        key = "rope_scaling"
+    theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+    if theta != int(theta):
+        raise ValueError(f"config.json: rope_theta {theta} is not an integer (megatron-core's rotary_base is an int)")
+    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"config.json: partial_rotary_factor {partial} is unsupported (full rotary only)")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"config.json: {key} type {kind!r} is unsupported (only 'default' and 'llama3')")
+    for name, want in MEGATRON_LLAMA3_ROPE.items():
+        if params.get(name) is None or float(params[name]) != want:
+            raise ValueError(f"config.json: {key}.{name}={params.get(name)} is unsupported; megatron-core's "
+                             f"llama3 rope scaling fixes it to {want}")
+    if params.get("factor") is None or float(params["factor"]) <= 0:
+        raise ValueError(f"config.json: {key}.factor must be a positive number, got {params.get('factor')}")
+    return theta, float(params["factor"])
+
+
+def model_config_to_hf_config(mc: ModelConfig, arch: str, torch_dtype: str = "float32") -> dict:
+    """ModelConfig -> config.json dict for `arch` (transformers-4 rope keys, which 5 also reads)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r}; supported: {_names(ARCHITECTURES)}")
+    model_type, arch_bias = ARCHITECTURES[arch]
+    if mc.qkv_bias != arch_bias:
+        raise ValueError(f"{arch} cannot express qkv_bias={mc.qkv_bias} (its q/k/v projections "
+                         f"{'always' if arch_bias else 'never'} have a bias)")
+    if mc.rotary_base != int(mc.rotary_base):
+        raise ValueError(f"rotary_base {mc.rotary_base} is not an integer")
+    scaling = None
+    if mc.rope_scaling_factor is not None:
+        scaling = {"rope_type": "llama3", "factor": float(mc.rope_scaling_factor), **MEGATRON_LLAMA3_ROPE}
+    cfg = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": mc.hidden_size,
+        "intermediate_size": mc.ffn_hidden_size,
+        "num_hidden_layers": mc.num_layers,
+        "num_attention_heads": mc.num_attention_heads,
+        "num_key_value_heads": mc.num_kv_heads or mc.num_attention_heads,
+        "vocab_size": mc.vocab_size,
+        "max_position_embeddings": mc.max_position_embeddings,
+        "hidden_act": "silu",
+        "rms_norm_eps": mc.norm_eps,
+        "initializer_range": mc.init_std,
+        "attention_dropout": mc.attention_dropout,
+        "rope_theta": float(mc.rotary_base),
+        "rope_scaling": scaling,
+        "tie_word_embeddings": mc.tie_embeddings,
+        "torch_dtype": torch_dtype,
+        "use_cache": True,
+    }
+    if arch in ("LlamaForCausalLM", "MistralForCausalLM"):
+        cfg["head_dim"] = mc.hidden_size // mc.num_attention_heads
+    if arch == "LlamaForCausalLM":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    elif arch == "Qwen2ForCausalLM":
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=mc.num_layers)
+    else:
+        cfg["sliding_window"] = None
+    return cfg
+
+
+# --------------------------------------------------------------------------- names and shapes
+
+
+@dataclass(frozen=True)
+class _Dims:
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    bias: bool
+    tied: bool
+
+    @classmethod
+    def of(cls, mc: ModelConfig) -> "_Dims":
+        return cls(mc.num_layers, mc.hidden_size, mc.ffn_hidden_size, mc.num_attention_heads,
+                   mc.num_kv_heads or mc.num_attention_heads, mc.hidden_size // mc.num_attention_heads,
+                   mc.vocab_size, mc.qkv_bias, mc.tie_embeddings)
+
+
+def hf_shapes(mc: ModelConfig) -> dict[str, tuple]:
+    """Every tensor an HF checkpoint of this model holds, in file order, with its shape."""
+    d = _Dims.of(mc)
+    q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    out = {"model.embed_tokens.weight": (d.vocab, d.hidden)}
+    for i in range(d.layers):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": (q, d.hidden), p + "self_attn.k_proj.weight": (kv, d.hidden),
+                    p + "self_attn.v_proj.weight": (kv, d.hidden)})
+        if d.bias:
+            out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,)})
+        out.update({p + "self_attn.o_proj.weight": (d.hidden, q),
+                    p + "mlp.gate_proj.weight": (d.ffn, d.hidden), p + "mlp.up_proj.weight": (d.ffn, d.hidden),
+                    p + "mlp.down_proj.weight": (d.hidden, d.ffn),
+                    p + "input_layernorm.weight": (d.hidden,), p + "post_attention_layernorm.weight": (d.hidden,)})
+    out["model.norm.weight"] = (d.hidden,)
+    if not d.tied:
+        out["lm_head.weight"] = (d.vocab, d.hidden)
+    return out
+
+
+def canonical_shapes(mc: ModelConfig) -> dict[str, tuple]:
+    """Every canonical tensor (layout.py) of this model with its shape."""
+    d = _Dims.of(mc)
+    qkv = (d.heads + 2 * d.kv_heads) * d.head_dim
+    out = {"embedding.word_embeddings.weight": (d.vocab, d.hidden)}
+    for i in range(d.layers):
+        p = f"decoder.layers.{i}."
+        out[p + "input_layernorm.weight"] = (d.hidden,)
+        out[p + "self_attention.linear_qkv.weight"] = (qkv, d.hidden)
+        if d.bias:
+            out[p + "self_attention.linear_qkv.bias"] = (qkv,)
+        out.update({p + "self_attention.linear_proj.weight": (d.hidden, d.heads * d.head_dim),
+                    p + "pre_mlp_layernorm.weight": (d.hidden,),
+                    p + "mlp.linear_fc1.weight": (2 * d.ffn, d.hidden), p + "mlp.linear_fc2.weight": (d.hidden, d.ffn)})
+    out["decoder.final_layernorm.weight"] = (d.hidden,)
+    if not d.tied:
+        out["output_layer.weight"] = (d.vocab, d.hidden)
+    return out
+
+
+_RENAMES = {  # one-to-one: HF layer suffix -> canonical layer suffix
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+_GLOBAL_RENAMES = {
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "model.norm.weight": "decoder.final_layernorm.weight",
+    "lm_head.weight": "output_layer.weight",
+}
+
+
+def _fuse_qkv(q, k, v, d: _Dims) -> torch.Tensor:
+    """q [heads*hd, ...], k/v [kv*hd, ...] -> [kv * (heads/kv + 2) * hd, ...], grouped per KV head."""
+    rest = q.shape[1:]
+    per_group = d.heads // d.kv_heads * d.head_dim
+    q = q.reshape(d.kv_heads, per_group, *rest)
+    k = k.reshape(d.kv_heads, d.head_dim, *rest)
+    v = v.reshape(d.kv_heads, d.head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(qkv, d: _Dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rest = qkv.shape[1:]
+    per_group = d.heads // d.kv_heads * d.head_dim
+    q, k, v = qkv.reshape(d.kv_heads, per_group + 2 * d.head_dim, *rest).split(
+        [per_group, d.head_dim, d.head_dim], dim=1)
+    return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
+
+
+def hf_to_canonical(mc: ModelConfig, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named tensors (exactly `hf_shapes(mc)`) -> canonical tensors; dtypes are kept."""
+    d = _Dims.of(mc)
+    out = {_GLOBAL_RENAMES[n]: hf[n] for n in _GLOBAL_RENAMES if n in hf and not (d.tied and n == "lm_head.weight")}
+    for i in range(d.layers):
+        p, c = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for src, dst in _RENAMES.items():
+            out[c + dst] = hf[p + src]
+        for kind in ("weight", "bias") if d.bias else ("weight",):
+            out[c + f"self_attention.linear_qkv.{kind}"] = _fuse_qkv(
+                *(hf[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"), d)
+        out[c + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], 0)
+    return out
+
+
+def canonical_to_hf(mc: ModelConfig, canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Canonical tensors (exactly `canonical_shapes(mc)`) -> HF-named tensors in file order.
+
+    Renamed tensors are the caller's objects; gate/up are views of linear_fc1 (same storage).
+    """
+    d = _Dims.of(mc)
+    out = {hf: canonical[c] for hf, c in _GLOBAL_RENAMES.items() if not (d.tied and hf == "lm_head.weight")}
+    for i in range(d.layers):
+        p, c = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for src, dst in _RENAMES.items():
+            out[p + src] = canonical[c + dst]
+        for kind in ("weight", "bias") if d.bias else ("weight",):
+            q, k, v = _split_qkv(canonical[c + f"self_attention.linear_qkv.{kind}"], d)
+            out.update({p + f"self_attn.q_proj.{kind}": q, p + f"self_attn.k_proj.{kind}": k,
+                        p + f"self_attn.v_proj.{kind}": v})
+        gate, up = canonical[c + "mlp.linear_fc1.weight"].chunk(2, 0)
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+    return {n: out[n] for n in hf_shapes(mc)}
+
+
+def _check_shapes(got: dict[str, tuple], want: dict[str, tuple], what: str) -> list[str]:
+    missing = [n for n in want if n not in got]
+    extra = [n for n in got if n not in want]
+    wrong = [f"{n} expected {list(want[n])} got {list(got[n])}" for n in want if n in got and tuple(got[n]) != want[n]]
+    return ([f"missing {what} {_names(missing)}"] if missing else []) + \
+           ([f"unexpected {what} {_names(extra)}"] if extra else []) + \
+           ([f"wrong shape: {_names(wrong)}"] if wrong else [])
+
+
+# --------------------------------------------------------------------------- import
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+
+
+def _checkpoint_tensors(hf_dir: str) -> dict[str, tuple[str, tuple]]:
+    """HF tensor name -> (safetensors file, shape), from headers only; every file must exist."""
+    single, index = os.path.join(hf_dir, SINGLE_FILE), os.path.join(hf_dir, INDEX_FILE)
+    if os.path.exists(single):
+        return {n: (single, shape) for n, shape in _header(single).items()}
+    if not os.path.exists(index):
+        raise ValueError(f"{hf_dir}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)")
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: no 'weight_map'")
+    bad = sorted({f for f in weight_map.values() if os.path.basename(f) != f})
+    if bad:
+        raise ValueError(f"{index}: shard names must be plain file names, got {_names(bad)}")
+    missing = sorted({f for f in weight_map.values() if not os.path.exists(os.path.join(hf_dir, f))})
+    if missing:
+        raise ValueError(f"{index}: referenced shard file(s) missing in {hf_dir}: {_names(missing)}")
+    headers = {f: _header(os.path.join(hf_dir, f)) for f in sorted(set(weight_map.values()))}
+    absent = [f"{n} (in {f})" for n, f in weight_map.items() if n not in headers[f]]
+    if absent:
+        raise ValueError(f"{index}: tensors listed but not in their shard: {_names(absent)}")
+    return {n: (os.path.join(hf_dir, f), headers[f][n]) for n, f in weight_map.items()}
+
+
+def _header(path: str) -> dict[str, tuple]:
+    """Tensor name -> shape from a safetensors header, without reading tensor data."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise ValueError(f"{path}: unreadable safetensors file ({e})") from None
+
+
+def load_hf_checkpoint(hf_dir: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Llama/Qwen2/Mistral safetensors checkpoint as (ModelConfig, canonical tensors).
+
+    Everything is validated before tensor data is read, and all problems are reported in one
+    ValueError, so a bad checkpoint never half-loads. Tensors keep the file's dtype (the model
+    casts on load); hold the whole model in host memory.
+    """
+    from safetensors import safe_open
+
+    hf_dir = os.fspath(hf_dir)
+    config_path = os.path.join(hf_dir, "config.json")
+    mc = hf_config_to_model_config(_read_json(config_path), source=config_path)
+    found = {n: v for n, v in _checkpoint_tensors(hf_dir).items() if not _DERIVED.fullmatch(n)}
+    shapes = {n: shape for n, (_, shape) in found.items()}
+    want = hf_shapes(mc)
+    redundant_head = mc.tie_embeddings and "lm_head.weight" in shapes  # some tied checkpoints keep a copy
+    if redundant_head:
+        want = {**want, "lm_head.weight": want["model.embed_tokens.weight"]}
+    problems = _check_shapes(shapes, want, "tensor")
+    if problems:
+        raise ValueError(f"{hf_dir}: cannot import: " + "; ".join(problems))
+    with contextlib.ExitStack() as stack:  # tensors are read one at a time, as the mapping needs them
+        handles = {p: stack.enter_context(safe_open(p, framework="pt")) for p in sorted({p for p, _ in found.values()})}
+        hf = _LazyTensors({n: handles[p] for n, (p, _) in found.items()})
+        if redundant_head and not torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"]):
+            raise ValueError(f"{hf_dir}: lm_head.weight differs from model.embed_tokens.weight "
+                             "but config.json sets tie_word_embeddings=true")
+        return mc, hf_to_canonical(mc, hf)
+
+
+class _LazyTensors(Mapping):
+    """Name -> tensor, read from its open safetensors file on access: peak memory stays near
+    the canonical dict's instead of twice it (fusing q/k/v and gate/up copies)."""
+
+    def __init__(self, handles: dict):
+        self._handles = handles
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._handles[name].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._handles)
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy, in file order: a new shard starts when the next tensor would overflow this one."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def save_hf_checkpoint(out_dir: str, model_cfg: ModelConfig, canonical: dict[str, torch.Tensor], arch: str, *,
+                       tokenizer_dir: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                       dtype: torch.dtype | None = None, extra_config: dict | None = None,
+                       overwrite: bool = False) -> None:
+    """Write canonical tensors as a Hugging Face checkpoint of `arch` that from_pretrained loads.
+
+    Shards of at most max_shard_bytes (a bigger single tensor gets its own shard) with
+    model.safetensors.index.json, or one model.safetensors when everything fits, as
+    save_pretrained does. dtype: cast every tensor (None keeps each tensor's dtype).
+    extra_config: additional config.json keys (e.g. bos/eos_token_id); may not override derived
+    ones. Tokenizer files are copied from tokenizer_dir. Atomic: everything is written to a
+    temporary sibling directory, which then replaces out_dir (overwrite=True) or becomes it.
+    """
+    from safetensors.torch import save_file
+
+    from megarl.data.atomic import atomic_directory
+
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    config = model_config_to_hf_config(model_cfg, arch)
+    problems = _check_shapes({n: tuple(t.shape) for n, t in canonical.items()}, canonical_shapes(model_cfg),
+                             "canonical tensor")
+    if problems:
+        raise ValueError("cannot export: " + "; ".join(problems))
+    clash = sorted(k for k, v in (extra_config or {}).items() if k in config and config[k] != v)
+    if clash:
+        raise ValueError(f"extra_config may not override derived config.json keys: {_names(clash)}")
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    tokenizer_files = []
+    if tokenizer_dir is not None:
+        tokenizer_files = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(tokenizer_dir, f))]
+        if not tokenizer_files:
+            raise ValueError(f"{tokenizer_dir}: no tokenizer files ({_names(TOKENIZER_FILES)})")
+    if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir}: exists and is not empty (pass overwrite=True to replace it)")
+
+    hf, storages = {}, set()
+    for n, t in canonical_to_hf(model_cfg, canonical).items():
+        t = (t if dtype is None else t.to(dtype)).detach().cpu().contiguous()
+        if t.untyped_storage().data_ptr() in storages:  # safetensors refuses shared memory
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        hf[n] = t
+    config["torch_dtype"] = str(hf["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+    config.update(extra_config or {})
+    shards = _plan_shards(hf, max_shard_bytes)
+    with atomic_directory(out_dir, replace=True) as tmp:
+        if len(shards) == 1:
+            save_file(hf, os.path.join(tmp, SINGLE_FILE), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for k, names in enumerate(shards, 1):
+                fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+                save_file({n: hf[n] for n in names}, os.path.join(tmp, fname), metadata={"format": "pt"})
+                weight_map.update({n: fname for n in names})
+            total = sum(t.numel() * t.element_size() for t in hf.values())
+            _write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _write_json(os.path.join(tmp, "config.json"), config)
+        for f in tokenizer_files:
+            shutil.copyfile(os.path.join(tokenizer_dir, f), os.path.join(tmp, f))
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+__all__ = [
+    "ARCHITECTURES", "canonical_shapes", "canonical_to_hf", "hf_config_to_model_config", "hf_shapes",
+    "hf_to_canonical", "load_hf_checkpoint", "model_config_to_hf_config", "save_hf_checkpoint",
+]

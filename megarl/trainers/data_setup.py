@@ -1,0 +1,137 @@
+"""Config -> tokenizer, datasets, iterators and initial weights for a stage.
+
+The glue between `megarl.data` (plain functions of paths and ints) and the trainers.
+"""
+from __future__ import annotations
+
+import os
+
+from megarl.config import Config, ConfigError
+from megarl.runtime.distributed import is_rank0
+from megarl.trainers.session import barrier
+
+# Which synthetic-task file each stage trains and evaluates on when data.train_path is unset.
+SYNTHETIC = {"sft": ("train_sft.jsonl", "test_sft.jsonl"),
+             "reward_model": ("train_prefs.jsonl", "test_prefs.jsonl")}
+KIND = {"sft": "sft", "reward_model": "preferences"}
+
+
+def tokenizer(cfg: Config):
+    from megarl.data import load_tokenizer
+
+    tok = load_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.path)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
+                          f"vocabulary ({tok.vocab_size}); set model.vocab_size={tok.vocab_size}")
+    return tok
+
+
+def stage_paths(cfg: Config, stage: str) -> dict:
+    """Train/eval files: the configured ones, or the seeded synthetic task under <run_dir>/data."""
+    d = cfg.data
+    if d.train_path:
+        for key in ("train_path", "eval_path"):
+            path = getattr(d, key)
+            if path and not os.path.exists(path):
+                raise ConfigError(f"data.{key}: {path} does not exist")
+        return {"train": d.train_path, "eval": d.eval_path}
+    from megarl.data import write_synthetic_dataset
+
+    out = os.path.join(os.path.abspath(cfg.train.run_dir), "data")
+    if is_rank0() and not os.path.exists(os.path.join(out, "meta.json")):
+        write_synthetic_dataset(out, seed=d.seed if d.seed is not None else cfg.train.seed)
+    barrier()
+    train, test = SYNTHETIC[stage]
+    return {"train": os.path.join(out, train), "eval": os.path.join(out, test)}
+
+
+def dataset(cfg: Config, path: str, kind: str, tok, packing: bool | None = None):
+    from megarl.data import build_preference_dataset, build_sft_dataset
+
+    d = cfg.data
+    if kind == "sft":
+        return build_sft_dataset(path, tok, d.seq_length, d.bad_records, d.packing if packing is None else packing)
+    return build_preference_dataset(path, tok, d.seq_length, d.bad_records)
+
+
+def _dp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+
+def train_iterator(cfg: Config, path: str, kind: str, tok, stage_dir: str):
+    """This DP rank's micro-batches: torch DataLoader by default, DALI over preprocessed shards."""
+    from megarl.data import DataIterator
+
+    d = cfg.data
+    rank, size = _dp()
+    seed = d.seed if d.seed is not None else cfg.train.seed
+    if d.loader == "dali":
+        import torch
+
+        from megarl.data import preprocess
+        from megarl.data.dali import DaliDataIterator
+
+        shards = path if os.path.isdir(path) else os.path.join(stage_dir, "shards")
+        if shards != path and is_rank0() and not os.path.exists(os.path.join(shards, "index.json")):
+            preprocess(path, shards, tok, "sft" if kind == "sft" else "preferences", d.seq_length,
+                       d.bad_records, show_progress=True)
+        barrier()
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        return DaliDataIterator(shards, d.micro_batch_size, d.global_batch_size, rank, size, seed=seed,
+                                packing=d.packing and kind == "sft", device_id=device)
+    return DataIterator(dataset(cfg, path, kind, tok), d.micro_batch_size, d.global_batch_size, rank, size,
+                        seed=seed, num_workers=d.num_workers)
+
+
+def eval_microbatches(cfg: Config, ds) -> list[dict]:
+    """The same held-out micro-batches at every evaluation (no shuffling, from the start)."""
+    from megarl.data import DataIterator
+
+    d = cfg.data
+    rank, size = _dp()
+    it = DataIterator(ds, d.micro_batch_size, d.global_batch_size, rank, size, seed=0, shuffle=False)
+    n_micro = d.global_batch_size // (d.micro_batch_size * size)
+    return [next(it) for _ in range(cfg.train.eval_batches * n_micro)]
+
+
+def eval_prompts(cfg: Config, path: str, tok, n: int) -> list[dict]:
+    """The first n held-out conversations as prompts (all turns but the last assistant reply)."""
+    if n <= 0:
+        return []
+    from megarl.data import Report, extract_answer
+    from megarl.data.formats import read_sft
+
+    out = []
+    for rec in read_sft(path, Report(path, "skip")):
+        prompt = rec.messages[:-1]
+        ids, _ = tok.encode_chat(prompt, add_generation_prompt=True)
+        out.append({"prompt_ids": ids, "prompt": prompt[-1]["content"],
+                    "answer": extract_answer(rec.messages[-1]["content"])})
+        if len(out) == n:
+            break
+    return out
+
+
+def init_weights(cfg: Config, role, model_cfg=None) -> None:
+    """model.init_from: a Hugging Face directory (config.json) or a megarl checkpoint."""
+    src = (model_cfg or cfg.model).init_from
+    if not src:
+        return
+    if not os.path.exists(src):
+        raise ConfigError(f"model.init_from: {src} does not exist")
+    if os.path.isfile(os.path.join(src, "config.json")):
+        from megarl.checkpoint.hf import load_hf_checkpoint
+        from megarl.models.layout import load_full_state_dict
+
+        try:
+            _, weights = load_hf_checkpoint(src)
+        except ValueError as e:
+            raise ConfigError(f"model.init_from: {e}") from e
+        load_full_state_dict(role.model, weights, (model_cfg or cfg.model).vocab_size)
+        return
+    from megarl.checkpoint.distributed import latest_checkpoint, load_weights
+
+    path = latest_checkpoint(src) if os.path.isfile(os.path.join(src, "latest")) else src
+    load_weights(path, role)

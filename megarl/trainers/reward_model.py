@@ -1,0 +1,105 @@
+"""Reward-model training: a scalar-head model read at the last token, Bradley-Terry loss.
+
+    megarl rm --config configs/tiny_rm.yaml [key=value ...]
+
+Starts from the SFT checkpoint by default (reward_model.init_from: sft), outputs
+<run_dir>/reward_model/{config.yaml, metrics.jsonl, checkpoints/}.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from megarl.algorithms.losses import bradley_terry
+from megarl.checkpoint.distributed import latest_checkpoint, load_weights
+from megarl.config import Config, ConfigError
+from megarl.roles.role import Role
+from megarl.trainers import data_setup
+from megarl.trainers.loop import Stage, run_stage
+from megarl.trainers.session import stage_session
+
+log = logging.getLogger("megarl")
+
+STAGE = "reward_model"
+
+
+def pair_batch(b: dict) -> dict:
+    """Chosen and rejected side by side in one micro-batch: rows [0, n) chosen, [n, 2n) rejected."""
+    return {"tokens": torch.cat([b["chosen_tokens"], b["rejected_tokens"]]),
+            "position_ids": torch.cat([b["chosen_position_ids"], b["rejected_position_ids"]]),
+            "attention_mask": None,
+            "last": torch.cat([b["chosen_last"], b["rejected_last"]])}
+
+
+class PairIterator:
+    """Maps a preference iterator to pair batches; checkpoint state passes through."""
+
+    def __init__(self, it):
+        self.it = it
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return pair_batch(next(self.it))
+
+    def state_dict(self):
+        return self.it.state_dict()
+
+    def load_state_dict(self, state):
+        self.it.load_state_dict(state)
+
+
+def rm_loss(margin: float, center_coef: float):
+    def loss_fn(batch, values):  # values [2n, s, 1]
+        v = values.squeeze(-1)
+        r = v[torch.arange(v.shape[0]), batch["last"]]  # [2n] reward at each last token
+        chosen, rejected = r.chunk(2)
+        return bradley_terry(chosen, rejected, margin, center_coef)
+
+    return loss_fn
+
+
+def sft_source(cfg: Config) -> str | None:
+    src = cfg.reward_model.init_from
+    if not src:
+        return None
+    root = os.path.join(os.path.abspath(cfg.train.run_dir), "sft", "checkpoints") if src == "sft" else src
+    if os.path.isfile(os.path.join(root, "latest")):
+        return latest_checkpoint(root)
+    if os.path.isfile(os.path.join(root, "megarl_manifest.json")):
+        return root
+    hint = "run `megarl sft` with the same train.run_dir first, or set reward_model.init_from=null" if src == "sft" else "expected a checkpoint directory"
+    raise ConfigError(f"reward_model.init_from={src}: no checkpoint at {root}; {hint}")
+
+
+def build_stage(cfg: Config, stage_dir: str) -> Stage:
+    r = cfg.reward_model
+    tok = data_setup.tokenizer(cfg)
+    paths = data_setup.stage_paths(cfg, STAGE)
+    role = Role(STAGE, cfg.model, cfg.parallel, head="scalar", precision=cfg.train.precision, fp8=cfg.train.fp8,
+                seed=cfg.train.seed, optim=cfg.optim, schedule=cfg.lr_schedule, train_steps=cfg.train.steps,
+                train_only_head=r.freeze_backbone)
+    src = sft_source(cfg)
+    if src is not None:
+        load_weights(src, role, skip_head=True)
+        log.info("reward model backbone initialised from %s", src)
+    train = PairIterator(data_setup.train_iterator(cfg, paths["train"], "preferences", tok, stage_dir))
+    eval_ds = data_setup.dataset(cfg, paths["eval"], "preferences", tok) if paths["eval"] else None
+    loss = rm_loss(r.margin, r.center_coef)
+
+    def evaluate():
+        mbs = [pair_batch(b) for b in data_setup.eval_microbatches(cfg, eval_ds)]
+        return role.evaluate(mbs, loss), []
+
+    return Stage(STAGE, role, loss, train, evaluate if eval_ds is not None else None)
+
+
+def main(cfg: Config) -> dict:
+    with stage_session(cfg, STAGE) as s:
+        final = run_stage(cfg, build_stage(cfg, s.stage_dir), s.stage_dir, s.tracker)
+        if s.env.rank == 0:
+            log.info("reward model done: %s", {k: round(v, 4) for k, v in final.items() if k.startswith("eval/")})
+        return final

@@ -1,0 +1,96 @@
+"""The synthetic arithmetic task: deterministic, checkable, short; the GSM8K answer checker."""
+import json
+import os
+import random
+
+import pytest
+
+from megarl.data import synthetic
+from megarl.data.answers import canonical_number, extract_answer, is_correct
+from megarl.data.datasets import build_preference_dataset, build_prompt_dataset, build_sft_dataset
+from megarl.data.errors import DataError
+from megarl.data.synthetic import Difficulty, generate_problems, wrong_solution, write_synthetic_dataset
+from megarl.data.tokenizer import ByteTokenizer
+
+
+def read(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_extract_answer_and_is_correct():
+    assert extract_answer("3+4=7\n#### 7") == "7"
+    assert extract_answer("#### 1,234.50") == "1234.5"
+    assert extract_answer("x #### 3 then #### -12.") == "-12"
+    assert extract_answer("#### $18") == "18"
+    assert extract_answer("#### 7.0 apples") == "7"
+    assert extract_answer("the answer is 7") is None
+    assert extract_answer("#### seven") is None
+    assert canonical_number("0.50") == "0.5" and canonical_number("abc") is None
+    assert is_correct("3+4=7\n#### 7", "7") and is_correct("#### 7", 7) and is_correct("#### 72", "...\n#### 72")
+    assert is_correct("#### 1,000", "1000")
+    assert not is_correct("#### 8", "7") and not is_correct("7", "7") and not is_correct("#### 7", "seven")
+
+
+def test_problems_are_deterministic_and_solutions_check_out():
+    d = Difficulty(min_ops=1, max_ops=3, max_operand=12, ops="+-*")
+    a, b = generate_problems(200, seed=5, difficulty=d), generate_problems(200, seed=5, difficulty=d)
+    assert a == b and a != generate_problems(200, seed=6, difficulty=d)
+    assert len({p.question for p in a}) == 200
+    for p in a:
+        assert 1 <= len(p.steps) <= 3 and p.answer >= 0
+        assert is_correct(p.solution, p.answer)
+        for left, op, right, result in p.steps:
+            assert result == eval(f"{left}{op}{right}")  # noqa: S307 - our own digits and + - *
+        rng = random.Random(0)
+        wrong = wrong_solution(p, rng)
+        assert extract_answer(wrong) is not None and not is_correct(wrong, p.answer)
+        assert wrong.count("\n") == p.solution.count("\n")  # same shape: a slip, not garbage
+
+
+def test_difficulty_knobs_and_errors():
+    easy = generate_problems(50, seed=0, difficulty=Difficulty(min_ops=1, max_ops=1, max_operand=5, ops="+"))
+    assert all(len(p.steps) == 1 and p.steps[0][1] == "+" and p.answer <= 10 for p in easy)
+    with pytest.raises(DataError, match="only .* distinct problems"):
+        generate_problems(10_000, seed=0, difficulty=Difficulty(min_ops=1, max_ops=1, max_operand=2, ops="+"))
+    with pytest.raises(DataError, match="subset of"):
+        generate_problems(5, difficulty=Difficulty(ops="/"))
+    with pytest.raises(DataError, match="min_ops <= max_ops"):
+        generate_problems(5, difficulty=Difficulty(min_ops=3, max_ops=2))
+
+
+def test_write_dataset_files_split_and_loaders(tmp_path):
+    out = tmp_path / "syn"
+    paths = write_synthetic_dataset(str(out), n_train=300, n_test=50, seed=1)
+    assert sorted(os.listdir(out)) == sorted(synthetic.FILES + ("meta.json",))
+    sft_train, sft_test = read(paths["train_sft.jsonl"]), read(paths["test_sft.jsonl"])
+    assert len(sft_train) == 300 and len(sft_test) == 50
+    train_q = {r["messages"][0]["content"] for r in sft_train}
+    assert not train_q & {r["messages"][0]["content"] for r in sft_test}  # held-out questions
+    for name in ("train", "test"):
+        prompts, prefs = read(paths[f"{name}_prompts.jsonl"]), read(paths[f"{name}_prefs.jsonl"])
+        for s, p, q in zip(read(paths[f"{name}_sft.jsonl"]), prompts, prefs):
+            assert s["messages"][0]["content"] == p["prompt"] == q["prompt"]
+            assert is_correct(s["messages"][1]["content"], p["answer"]) and q["chosen"] == s["messages"][1]["content"]
+            assert not is_correct(q["rejected"], p["answer"])
+    # Same seed, same bytes (written again over the existing directory).
+    before = {n: open(paths[n]).read() for n in synthetic.FILES}
+    write_synthetic_dataset(str(out), n_train=300, n_test=50, seed=1)
+    assert before == {n: open(paths[n]).read() for n in synthetic.FILES}
+    assert not [n for n in os.listdir(tmp_path) if n != "syn"]  # no temporary left behind
+    # Default difficulty fits a 128-token byte-level context: nothing skipped.
+    tok = ByteTokenizer()
+    assert len(build_sft_dataset(paths["train_sft.jsonl"], tok, seq_len=128)) == 300
+    assert len(build_preference_dataset(paths["train_prefs.jsonl"], tok, seq_len=128)) == 300
+    prompts = build_prompt_dataset(paths["test_prompts.jsonl"], tok, max_prompt_len=128)
+    assert prompts[0]["answer"] == read(paths["test_prompts.jsonl"])[0]["answer"]
+
+
+def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    def boom(problems, seed):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(synthetic, "records", boom)
+    with pytest.raises(RuntimeError):
+        write_synthetic_dataset(str(tmp_path / "syn"), n_train=10, n_test=2)
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,139 @@
+"""SFT and reward-model stages end to end through the real CLI: learning, layout parity,
+resume exactness after SIGKILL, and pre-emption (SIGTERM -> checkpoint, exit 75, resume)."""
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from megarl_run import TINY, command, env, megarl, metrics, train_losses
+
+pytestmark = pytest.mark.slow
+
+
+def sft_args(run_dir, *extra):
+    return ["sft", "--config", "configs/tiny_sft.yaml", f"train.run_dir={run_dir}", *TINY, *extra]
+
+
+def rm_args(run_dir, *extra):
+    return ["rm", "--config", "configs/tiny_rm.yaml", f"train.run_dir={run_dir}", *TINY, *extra]
+
+
+def test_sft_learns_and_leaves_a_complete_run_dir(tmp_path):
+    run = tmp_path / "run"
+    megarl(sft_args(run, "train.steps=40", "train.eval_interval=20", "optim.lr=3e-3", "lr_schedule.warmup_steps=5"))
+    losses = train_losses(run / "sft")
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.5 * losses[0], losses
+    evals = [m for m in metrics(run / "sft") if "eval/loss" in m]
+    assert [m["step"] for m in evals] == [20, 40] and evals[1]["eval/loss"] < evals[0]["eval/loss"]
+    assert {"eval/accuracy", "eval/teacher_forced_exact_match", "eval/sample_accuracy"} <= set(evals[1])
+    assert (run / "sft" / "config.yaml").exists()
+    assert (run / "sft" / "checkpoints" / "latest").read_text().strip() == "step_00000040"
+    assert (run / "data" / "train_sft.jsonl").exists()
+
+
+STEPS3 = ("train.steps=3", "train.eval_interval=0", "checkpoint.save_interval=0")
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm"])
+def test_tp2_and_pp2_match_tp1(tmp_path, stage):
+    args = sft_args if stage == "sft" else rm_args
+    extra = ("reward_model.init_from=null",) if stage == "rm" else ()
+    sub = "sft" if stage == "sft" else "reward_model"
+    megarl(args(tmp_path / "tp1", *STEPS3, *extra))
+    megarl(args(tmp_path / "tp2", *STEPS3, *extra, "parallel.tp=2"), nproc=2)
+    megarl(args(tmp_path / "pp2", *STEPS3, *extra, "parallel.pp=2"), nproc=2)
+    ref = train_losses(tmp_path / "tp1" / sub)
+    for layout in ("tp2", "pp2"):
+        got = train_losses(tmp_path / layout / sub)
+        assert got == pytest.approx(ref, rel=1e-5), (layout, got, ref)
+
+
+# ---------------------------------------------------------------------------- resume
+
+
+RESUME = ("train.steps=6", "train.eval_interval=3", "checkpoint.save_interval=2", "sft.eval_samples=0")
+
+
+def _final_weights(stage_dir):
+    """Every tensor of the latest checkpoint (weights and optimizer state), read without processes."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    latest = (stage_dir / "checkpoints" / "latest").read_text().strip()
+    flat = stage_dir / "flat.pt"
+    dcp_to_torch_save(str(stage_dir / "checkpoints" / latest), str(flat))
+    sd = torch.load(flat, weights_only=False)
+    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    assert any(".model." in k for k in tensors)
+    return tensors
+
+
+def _start(args):
+    return subprocess.Popen(command(args), env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _wait_for_step(stage_dir, step, proc, timeout=300):
+    deadline = time.time() + timeout
+    path = stage_dir / "metrics.jsonl"
+    while time.time() < deadline:
+        if path.exists() and any(m.get("step", 0) >= step for m in metrics(stage_dir)):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run = tmp_path_factory.mktemp("full")
+    megarl(sft_args(run, *RESUME))
+    return metrics(run / "sft"), _final_weights(run / "sft")
+
+
+def test_sigkill_then_resume_is_bit_exact(tmp_path, uninterrupted):
+    run = tmp_path / "run"
+    proc = _start(sft_args(run, *RESUME))
+    _wait_for_step(run / "sft", 3, proc)  # the step-2 checkpoint is durable before step 3 starts
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (run / "sft" / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    megarl(sft_args(run, *RESUME))
+    ref_metrics, ref_weights = uninterrupted
+    assert metrics(run / "sft") == ref_metrics  # every step's loss, lr, grad norm and eval, exactly
+    weights = _final_weights(run / "sft")
+    assert weights.keys() == ref_weights.keys()
+    for k in ref_weights:
+        assert torch.equal(weights[k], ref_weights[k]), k
+
+
+def test_sigterm_checkpoints_exits_75_and_resumes(tmp_path, uninterrupted):
+    run = tmp_path / "run"
+    proc = _start(sft_args(run, *RESUME))
+    _wait_for_step(run / "sft", 1, proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, (out[-2000:], err[-2000:])
+    assert "pre-empted at step" in err
+    stopped = int((run / "sft" / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert 1 <= stopped < 6
+    megarl(sft_args(run, *RESUME))
+    assert metrics(run / "sft") == uninterrupted[0]
+
+
+def test_rm_resume_after_sigkill_is_bit_exact(tmp_path):
+    args = ("train.steps=4", "train.eval_interval=0", "checkpoint.save_interval=2", "reward_model.init_from=null")
+    full = tmp_path / "full"
+    megarl(rm_args(full, *args))
+    run = tmp_path / "run"
+    proc = _start(rm_args(run, *args))
+    _wait_for_step(run / "reward_model", 3, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    megarl(rm_args(run, *args))
+    assert metrics(run / "reward_model") == metrics(full / "reward_model")
+    a, b = _final_weights(run / "reward_model"), _final_weights(full / "reward_model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
