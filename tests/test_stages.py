@@ -137,3 +137,11 @@ def test_rm_resume_after_sigkill_is_bit_exact(tmp_path):
     assert metrics(run / "reward_model") == metrics(full / "reward_model")
     a, b = _final_weights(run / "reward_model"), _final_weights(full / "reward_model")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dali_loader_trains_exactly_like_the_torch_loader(tmp_path):
+    pytest.importorskip("nvidia.dali", reason="NVIDIA DALI not installed (pip install 'megarl[dali]')")
+    for loader in ("torch", "dali"):
+        megarl(sft_args(tmp_path / loader, *STEPS3, f"data.loader={loader}"))
+    assert (tmp_path / "dali" / "sft" / "shards").is_dir()
+    assert train_losses(tmp_path / "dali" / "sft") == train_losses(tmp_path / "torch" / "sft")

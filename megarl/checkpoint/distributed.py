@@ -26,6 +26,9 @@ import torch
 import torch.distributed as dist
 
 MANIFEST = "megarl_manifest.json"
+# The distributed optimizer's state in a format any DP size can load (megatron-core 0.16 rejects
+# the flattened-range default); the plain optimizer ignores it.
+OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 LATEST = "latest"
 
 
@@ -87,7 +90,7 @@ def _sharded_state_dict(roles: dict, state: dict, rng, is_loading: bool) -> dict
         model_sd = unwrap(role.model).sharded_state_dict(prefix=f"{name}.model.")
         entry = {"model": model_sd}
         if role.optimizer is not None:
-            entry["optimizer"] = role.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+            entry["optimizer"] = role.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
             entry["scheduler"] = role.scheduler.state_dict()
         sd[name] = entry
     return sd

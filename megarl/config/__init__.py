@@ -9,3 +9,10 @@ from megarl.config.schema import (
     TrackingConfig, TrainConfig,
 )
 from megarl.config.validate import check_config, data_parallel_size, has_module, validate_config
+
+__all__ = [
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LRScheduleConfig", "LauncherConfig", "ModelConfig",
+    "OffloadConfig", "OptimConfig", "ParallelConfig", "RewardModelConfig", "RoleConfig", "RolesConfig", "SFTConfig",
+    "TokenizerConfig", "TrackingConfig", "TrainConfig", "check_config", "config_to_dict", "config_to_yaml",
+    "data_parallel_size", "flatten", "has_module", "load_config", "save_config", "validate_config",
+]

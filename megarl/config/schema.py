@@ -131,7 +131,6 @@ class CheckpointConfig:
     save_interval: int = 0  # 0: only at the end of the run
     keep_last: int = 2
     resume: bool = True  # pick up <run_dir>/.../checkpoints/latest if present
-    async_save: bool = False  # GPU only
 
 
 @dataclass
@@ -165,7 +164,8 @@ class RewardModelConfig:
     margin: float = 0.0
     center_coef: float = 0.0  # + coef * (r_chosen + r_rejected)^2 keeps rewards centred at 0
     freeze_backbone: bool = False  # train only the scalar head (a remedy for RM overfitting)
-    # "sft": <run_dir>/sft/checkpoints/latest; a path: that checkpoint; null: random init
+    # "sft": <run_dir>/sft/checkpoints/latest; a path: that checkpoint; null: model.init_from
+    # (an HF directory or checkpoint) when set, else random init
     init_from: Optional[str] = "sft"
 
 

@@ -99,6 +99,9 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None) -> list
         if not (has_module("transformer_engine") and cuda):
             errs.append(f"parallel.cp > 1 needs Transformer Engine attention on a GPU: {TE_HINT}")
 
+    if p.distributed_optimizer and not (cuda and (has_module("transformer_engine") or has_module("apex"))):
+        errs.append("parallel.distributed_optimizer needs a GPU with Transformer Engine or apex fused Adam "
+                    "(megatron-core 0.16 cannot checkpoint it over the torch-Adam fallback); set it false on CPU")
     errs += _model_rules(cfg.model, cfg, "model", cuda)
     for role in ("actor", "reference", "critic", "reward"):
         r = getattr(cfg.roles, role)
@@ -143,8 +146,6 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None) -> list
         errs.append("tokenizer.kind=hf needs tokenizer.path (a local directory with tokenizer.json)")
     if cfg.checkpoint.keep_last < 1 or cfg.checkpoint.save_interval < 0:
         errs.append("checkpoint.keep_last must be >= 1 and checkpoint.save_interval >= 0")
-    if cfg.checkpoint.async_save and not cuda:
-        errs.append("checkpoint.async_save needs a GPU; set it false on CPU")
     if cfg.launcher.backend == "nccl" and not cuda:
         errs.append("launcher.backend=nccl needs CUDA GPUs; use auto or gloo on CPU")
     return errs

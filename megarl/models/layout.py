@@ -131,12 +131,14 @@ def init_parameters(model, *, seed: int, std: float, num_layers: int, vocab_size
 
 
 @torch.no_grad()
-def load_full_state_dict(model, full: dict[str, torch.Tensor], vocab_size: int) -> None:
-    """Copy canonical tensors into this rank's shards; every local parameter must be present."""
+def load_full_state_dict(model, full: dict[str, torch.Tensor], vocab_size: int, skip_prefixes: tuple = ()) -> None:
+    """Copy canonical tensors into this rank's shards; every local parameter must be present,
+    except those under `skip_prefixes` (e.g. a reward model's fresh "output_layer." head)."""
     model = unwrap(model)
     tp_rank, tp = _tp()
+    params = [(n, p) for n, p in model.named_parameters() if not n.startswith(tuple(skip_prefixes))]
     missing, wrong = [], []
-    for name, p in model.named_parameters():
+    for name, p in params:
         canon = canonical_name(model, name)
         kind, dim = split_kind(name, p)
         if canon not in full:
@@ -148,7 +150,7 @@ def load_full_state_dict(model, full: dict[str, torch.Tensor], vocab_size: int) 
     if missing or wrong:
         raise ValueError("cannot load weights: " + "; ".join(
             ([f"missing {', '.join(missing)}"] if missing else []) + wrong))
-    for name, p in model.named_parameters():
+    for name, p in params:
         kind, dim = split_kind(name, p)
         p.copy_(shard(full[canonical_name(model, name)].to(p.dtype), kind, dim, tp_rank, tp, p.shape))
 

@@ -7,11 +7,18 @@ from megarl.models.gpt import mask_padded_vocab
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """log p(labels) [b, s] from this TP rank's logits shard [b, s, V_pad/tp]."""
-    from megatron.core import tensor_parallel
+    """log p(labels) [b, s] (fp32) from this TP rank's logits shard [b, s, V_pad/tp].
+
+    The fused op reads the logits in their own dtype, row-chunked: no fp32 copy of [b, s, V].
+    """
+    from megatron.core import parallel_state as ps
+
+    from megarl.ops import logprobs_and_entropy
 
     logits = mask_padded_vocab(logits, vocab_size)
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.clamp(min=0))
+    logprobs, _ = logprobs_and_entropy(logits, labels, tp_group=ps.get_tensor_model_parallel_group(),
+                                       with_entropy=False)
+    return logprobs
 
 
 def dp_microbatches(global_batch: dict, micro_batch_size: int) -> list[dict]:

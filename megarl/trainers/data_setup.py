@@ -114,8 +114,10 @@ def eval_prompts(cfg: Config, path: str, tok, n: int) -> list[dict]:
     return out
 
 
-def init_weights(cfg: Config, role, model_cfg=None) -> None:
-    """model.init_from: a Hugging Face directory (config.json) or a megarl checkpoint."""
+def init_weights(cfg: Config, role, model_cfg=None, skip_head: bool = False) -> None:
+    """model.init_from: a Hugging Face directory (config.json) or a megarl checkpoint.
+
+    skip_head: keep the role's own output layer (a scalar head on an LM's backbone)."""
     src = (model_cfg or cfg.model).init_from
     if not src:
         return
@@ -129,9 +131,10 @@ def init_weights(cfg: Config, role, model_cfg=None) -> None:
             _, weights = load_hf_checkpoint(src)
         except ValueError as e:
             raise ConfigError(f"model.init_from: {e}") from e
-        load_full_state_dict(role.model, weights, (model_cfg or cfg.model).vocab_size)
+        load_full_state_dict(role.model, weights, (model_cfg or cfg.model).vocab_size,
+                             skip_prefixes=("output_layer.",) if skip_head else ())
         return
     from megarl.checkpoint.distributed import latest_checkpoint, load_weights
 
     path = latest_checkpoint(src) if os.path.isfile(os.path.join(src, "latest")) else src
-    load_weights(path, role)
+    load_weights(path, role, skip_head=skip_head)

@@ -194,5 +194,16 @@ def run_stage(cfg: Config, stage: Stage, stage_dir: str, tracker) -> dict:
     return final
 
 
+def train_stage(cfg: Config, name: str, build: Callable[[Config, str], Stage]) -> dict:
+    """A stage's whole process: session (processes, run dir, tracking) around `run_stage`."""
+    from megarl.trainers.session import stage_session
+
+    with stage_session(cfg, name) as s:
+        final = run_stage(cfg, build(cfg, s.stage_dir), s.stage_dir, s.tracker)
+        if is_rank0():
+            log.info("%s done: %s", name, {k: round(v, 4) for k, v in final.items() if k.startswith("eval/")})
+        return final
+
+
 def _fmt(metrics: dict) -> str:
     return " | ".join(f"{k.split('/', 1)[-1]} {v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))

@@ -17,8 +17,7 @@ from megarl.checkpoint.distributed import latest_checkpoint, load_weights
 from megarl.config import Config, ConfigError
 from megarl.roles.role import Role
 from megarl.trainers import data_setup
-from megarl.trainers.loop import Stage, run_stage
-from megarl.trainers.session import stage_session
+from megarl.trainers.loop import Stage, train_stage
 
 log = logging.getLogger("megarl")
 
@@ -86,6 +85,9 @@ def build_stage(cfg: Config, stage_dir: str) -> Stage:
     if src is not None:
         load_weights(src, role, skip_head=True)
         log.info("reward model backbone initialised from %s", src)
+    elif cfg.model.init_from:  # an HF directory or any megarl checkpoint, LM head left out
+        data_setup.init_weights(cfg, role, skip_head=True)
+        log.info("reward model backbone initialised from %s", cfg.model.init_from)
     train = PairIterator(data_setup.train_iterator(cfg, paths["train"], "preferences", tok, stage_dir))
     eval_ds = data_setup.dataset(cfg, paths["eval"], "preferences", tok) if paths["eval"] else None
     loss = rm_loss(r.margin, r.center_coef)
@@ -98,8 +100,4 @@ def build_stage(cfg: Config, stage_dir: str) -> Stage:
 
 
 def main(cfg: Config) -> dict:
-    with stage_session(cfg, STAGE) as s:
-        final = run_stage(cfg, build_stage(cfg, s.stage_dir), s.stage_dir, s.tracker)
-        if s.env.rank == 0:
-            log.info("reward model done: %s", {k: round(v, 4) for k, v in final.items() if k.startswith("eval/")})
-        return final
+    return train_stage(cfg, STAGE, build_stage)

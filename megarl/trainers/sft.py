@@ -7,9 +7,6 @@ stages to start from.
 """
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
 
 from megarl.algorithms.losses import masked_nll
@@ -19,10 +16,7 @@ from megarl.roles.role import Role
 from megarl.rollout.greedy import greedy_generate
 from megarl.trainers import data_setup
 from megarl.trainers.common import token_logprobs
-from megarl.trainers.loop import Stage, run_stage
-from megarl.trainers.session import stage_session
-
-log = logging.getLogger("megarl")
+from megarl.trainers.loop import Stage, train_stage
 
 STAGE = "sft"
 
@@ -74,8 +68,4 @@ def build_stage(cfg: Config, stage_dir: str) -> Stage:
 
 
 def main(cfg: Config) -> dict:
-    with stage_session(cfg, STAGE) as s:
-        final = run_stage(cfg, build_stage(cfg, s.stage_dir), s.stage_dir, s.tracker)
-        if s.env.rank == 0:
-            log.info("sft done: %s", {k: round(v, 4) for k, v in final.items() if k.startswith("eval/")})
-        return final
+    return train_stage(cfg, STAGE, build_stage)
