@@ -22,6 +22,8 @@ install_requires = [
     "tokenizers>=0.19",
     "mlflow>=2.14",
     "tqdm",
+    "psutil",  # CPU/RSS system metrics
+    "matplotlib",  # megarl report
     "torch==2.13.0; python_version<'3.12'",
     "torch>=2.6; python_version>='3.12'",
     "megatron-core==0.16.*; python_version<'3.12'",

@@ -16,5 +16,6 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch>=2.6"
   fi
 fi
-"$PY" -m pip install -q -e ".[${EXTRAS}]"
-"$PY" -c "import megarl, megatron.core, torch; print(f'megarl {megarl.__version__} | torch {torch.__version__} | megatron-core {megatron.core.__version__}')"
+# No build isolation: csrc/build.py needs the installed (CUDA) torch to build the kernels.
+"$PY" -m pip install -q --no-build-isolation -e ".[${EXTRAS}]"
+"$PY" -W ignore -c "import megarl, megatron.core, torch; print(f'megarl {megarl.__version__} | torch {torch.__version__} | megatron-core {megatron.core.__version__}')"

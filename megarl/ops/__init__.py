@@ -1,0 +1,11 @@
+"""Fused ops: per-token log-probs/entropy over vocab-parallel logits, and GAE.
+
+These are the only place in megarl where these quantities are computed. CUDA tensors use the
+kernels of csrc/ (megarl._C) when they are built; everything else, and any machine without
+them, uses a frugal torch path with the same semantics (logged once on `megarl.ops`).
+"""
+from ._ext import kernel_backend
+from .advantages import gae, gae_packed
+from .logprobs import logprobs_and_entropy
+
+__all__ = ["logprobs_and_entropy", "gae", "gae_packed", "kernel_backend"]

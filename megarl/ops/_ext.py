@@ -1,0 +1,59 @@
+"""Lazy handle on the compiled CUDA kernels (megarl._C).
+
+The extension is imported on first use, not at `import megarl`, and when it cannot be used the
+reason is logged once on the `megarl.ops` logger; every op then runs its torch path. Setting
+MEGARL_DISABLE_KERNELS=1 forces the torch path (for A/B checks on a GPU machine).
+"""
+import importlib
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("megarl.ops")
+
+_UNLOADED = object()
+_ext = _UNLOADED  # the only mutable module state: the extension module, or None when unavailable
+
+
+def _import():
+    """(module or None, reason it is unavailable)."""
+    if os.environ.get("MEGARL_DISABLE_KERNELS", "") not in ("", "0"):
+        return None, "MEGARL_DISABLE_KERNELS is set"
+    if not torch.version.cuda:
+        return None, f"torch {torch.__version__} is a CPU build"
+    try:
+        mod = importlib.import_module("megarl._C")
+    except ImportError as exc:
+        return None, f"megarl._C is not built: {exc}"
+    if not torch.cuda.is_available():
+        return None, "no CUDA device is visible"
+    return mod, ""
+
+
+def load():
+    """The megarl._C module, or None (logged once) when the kernels cannot run here."""
+    global _ext
+    if _ext is _UNLOADED:
+        _ext, reason = _import()
+        if _ext is None:
+            # Only a GPU machine without kernels deserves a warning; on CPU it is expected.
+            level = logging.WARNING if torch.cuda.is_available() else logging.INFO
+            logger.log(level, "megarl: CUDA kernels unavailable (%s); using the torch path", reason)
+    return _ext
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """True when `t` lives on a GPU and the kernels are loaded (logs the fallback once)."""
+    ext = load()
+    return ext is not None and t.is_cuda
+
+
+def kernel_backend() -> str:
+    """'cuda' when the compiled kernels serve CUDA tensors, else 'torch'."""
+    return "cuda" if load() is not None else "torch"
+
+
+def stream_of(t: torch.Tensor) -> int:
+    """Handle of the current stream on t's device, for the launchers."""
+    return torch.cuda.current_stream(t.device).cuda_stream

@@ -1,0 +1,183 @@
+"""Generalised advantage estimation without a Python loop over the response length.
+
+For the valid tokens of a sequence, walking backwards,
+    delta_t = r_t + gamma V_next - v_t,   A_t = delta_t + gamma lam A_next,   R_t = A_t + v_t,
+where "next" is the next valid token, and V_next = A_next = 0 after the last one: nothing leaks
+across the end of a response. Masked tokens are invisible (A = R = 0 there; a hole inside a
+response, e.g. a tool observation, is skipped rather than ending it).
+
+On CUDA tensors the chunked-scan kernel of csrc/gae.cu runs; elsewhere the torch path below
+computes A as a discounted reverse cumulative sum of delta with two small matmuls per block of
+rows (within chunks of _CHUNK tokens, then across chunk heads), which is exact up to rounding;
+blocks whose masks have holes are first compacted so that their valid tokens come first.
+"""
+import torch
+
+from . import _ext
+
+_CHUNK = 32            # scan chunk length of the torch path
+_BLOCK_ELEMS = 1 << 17  # tokens per row block of the torch path (512 KiB fp32 temporaries)
+
+
+def gae(rewards, values, mask, gamma, lam):
+    """GAE over a batch of (right-padded or holed) responses.
+
+    rewards, values: [B, T]; mask: [B, T] bool or 0/1, True on response tokens. Entries under
+    the mask are never used, but must be finite (the torch path multiplies them by 0).
+    Returns (advantages, returns), [B, T], fp32 (fp64 if an input is fp64), zero where masked.
+    Not differentiable: values are treated as constants, as GAE targets should be.
+    """
+    if rewards.dim() != 2 or rewards.shape != values.shape or rewards.shape != mask.shape:
+        raise ValueError(f"rewards, values and mask must all be [B, T]; got {tuple(rewards.shape)}, "
+                         f"{tuple(values.shape)}, {tuple(mask.shape)}")
+    dt = _out_dtype(rewards, values)
+    with torch.no_grad():
+        r, v = rewards.to(dt).contiguous(), values.to(dt).contiguous()
+        m = mask.to(device=r.device, dtype=torch.bool).contiguous()
+        if _ext.use_kernels(r):
+            with torch.cuda.device(r.device):
+                adv, ret = _ext.load().gae(r, v, m, None, float(gamma), float(lam),
+                                           _ext.stream_of(r))
+            return adv, ret
+        return _gae_torch(r, v, m, float(gamma), float(lam))
+
+
+def gae_packed(rewards, values, cu_seqlens, gamma, lam, *, mask=None, max_seqlen=None):
+    """GAE over sequences concatenated along one dim (no padding between them).
+
+    rewards, values: [N]; cu_seqlens: [S + 1] non-decreasing offsets, sequence i being tokens
+    [cu_seqlens[i], cu_seqlens[i+1]); mask: optional [N] (e.g. prompt tokens False).
+    max_seqlen: optional host int (longest sequence), saves a device sync on the torch path.
+    Returns (advantages, returns) [N]; tokens outside every sequence or masked get 0.
+    """
+    if rewards.dim() != 1 or rewards.shape != values.shape:
+        raise ValueError(f"rewards and values must be [N]; got {tuple(rewards.shape)}, "
+                         f"{tuple(values.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must be [S + 1]")
+    if mask is not None and mask.shape != rewards.shape:
+        raise ValueError(f"mask must be [N] like rewards; got {tuple(mask.shape)}")
+    dt = _out_dtype(rewards, values)
+    with torch.no_grad():
+        r, v = rewards.to(dt).contiguous(), values.to(dt).contiguous()
+        cu = cu_seqlens.to(device=r.device, dtype=torch.long).contiguous()
+        m = None if mask is None else mask.to(device=r.device, dtype=torch.bool).contiguous()
+        if _ext.use_kernels(r):
+            with torch.cuda.device(r.device):
+                adv, ret = _ext.load().gae(r, v, m, cu, float(gamma), float(lam),
+                                           _ext.stream_of(r))
+            return adv, ret
+        return _gae_packed_torch(r, v, m, cu, float(gamma), float(lam), max_seqlen)
+
+
+def _out_dtype(*ts):
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _scan_mats(g, L, C, dtype, device):
+    """K [L, L] with K[s, t] = g^(s-t) for s >= t (within-chunk discounted suffix sums),
+    K2 [C, C] with K2[c', c] = g^(L (c'-c-1)) for c' > c (carry from later chunk heads),
+    tail [L] with tail[j] = g^(L-j) (how the carry reaches offset j). Built in fp64."""
+    i = torch.arange(L, dtype=torch.float64, device=device)
+    d = i[:, None] - i[None, :]
+    K = torch.where(d >= 0, g ** d.clamp(min=0), 0.0)
+    j = torch.arange(C, dtype=torch.float64, device=device)
+    d2 = j[:, None] - j[None, :] - 1
+    K2 = torch.where(d2 >= 0, (g ** L) ** d2.clamp(min=0), 0.0)
+    tail = g ** (L - i)
+    return K.to(dtype), K2.to(dtype), tail.to(dtype)
+
+
+def _gae_torch(r, v, m, gamma, lam):
+    """[B, T] GAE in row blocks; a block whose masks are not all prefix-shaped is compacted."""
+    B, T = r.shape
+    adv, ret = torch.empty_like(r), torch.empty_like(r)
+    if B == 0 or T == 0:
+        return adv, ret
+    L = min(_CHUNK, T)
+    C = -(-T // L)
+    mats = _scan_mats(gamma * lam, L, C, r.dtype, r.device)
+    # Prefix test: sum_t m_t (T - t) reaches cnt T - cnt (cnt - 1) / 2 only when the cnt valid
+    # tokens come first. Every term is an integer <= T^2, exact while T^2 <= 2 / eps (T <= 4096
+    # in fp32); longer rows use a comparison of neighbours instead.
+    exact = T * T <= 2.0 / torch.finfo(r.dtype).eps
+    ramp = torch.arange(T, 0, -1, dtype=r.dtype, device=r.device) if exact else None
+    rows = max(1, _BLOCK_ELEMS // (C * L))
+    for i in range(0, B, rows):
+        j = min(B, i + rows)
+        mb = m[i:j]
+        mf = mb.view(torch.uint8).to(r.dtype)                   # [b, T] 0/1 (uint8: fast cast)
+        if ramp is not None:
+            cnt = mf.sum(1)
+            holed = bool((torch.mv(mf, ramp) != cnt * T - cnt * (cnt - 1) * 0.5).any())
+        else:
+            holed = bool((mb[:, 1:] > mb[:, :-1]).any())         # a valid token after a masked one
+        if holed:
+            _holed_block(r[i:j], v[i:j], mb, gamma, mats, L, adv[i:j], ret[i:j])
+        else:
+            _prefix_block(r[i:j], v[i:j], mf, gamma, mats, L, adv[i:j], ret[i:j])
+    return adv, ret
+
+
+def _prefix_block(rb, vb, mf, gamma, mats, L, out_adv, out_ret):
+    """Rows whose valid tokens (mf = 1) form a prefix: zero everything past it, then A is the
+    gamma*lam-discounted reverse cumsum of delta (zero past the prefix, so nothing leaks).
+    Masked entries are multiplied by 0, so they must be finite."""
+    K, K2, tail = mats
+    b, T = rb.shape
+    C = K2.shape[0]
+    nvm = torch.addcmul(rb.new_zeros(()), vb, mf, value=-1.0)   # [b, T] -v, 0 past the prefix
+    delta = torch.empty_like(nvm) if C * L == T else rb.new_zeros(b, C * L)
+    dv = torch.addcmul(nvm, rb, mf, out=delta[:, :T])           # r - v
+    dv[:, :-1].sub_(nvm[:, 1:], alpha=gamma)                    # + gamma v_next
+    if C * L == T:  # within-chunk suffix sums straight into the output, then the carries
+        local = torch.mm(delta.view(-1, L), K, out=out_adv.view(-1, L)).view(b, C, L)
+        local.addcmul_(torch.mm(local[..., 0], K2)[..., None], tail)
+    else:
+        local = torch.mm(delta.view(-1, L), K).view(b, C, L)
+        local.addcmul_(torch.mm(local[..., 0], K2)[..., None], tail)
+        out_adv.copy_(local.view(b, C * L)[:, :T])
+    torch.sub(out_adv, nvm, out=out_ret)                        # A + v
+
+
+def _holed_block(rb, vb, mb, gamma, mats, L, out_adv, out_ret):
+    """Rows with masked tokens between valid ones: move each row's valid tokens to the front
+    (order kept), solve the prefix problem, and move the results back."""
+    b, T = rb.shape
+    pos = mb.cumsum(1) - 1                                      # rank of each valid token
+    dest = torch.where(mb, pos, T)                              # masked tokens -> dump column
+    rc = rb.new_zeros(b, T + 1).scatter_(1, dest, rb)[:, :T]
+    vc = vb.new_zeros(b, T + 1).scatter_(1, dest, vb)[:, :T]
+    mc = (torch.arange(T, device=rb.device) < (pos[:, -1:] + 1)).to(rb.dtype)
+    ac, rtc = torch.empty_like(out_adv), torch.empty_like(out_ret)
+    _prefix_block(rc, vc, mc, gamma, mats, L, ac, rtc)
+    src = pos.clamp(min=0)
+    zero = rb.new_zeros(())
+    torch.where(mb, ac.gather(1, src), zero, out=out_adv)
+    torch.where(mb, rtc.gather(1, src), zero, out=out_ret)
+
+
+def _gae_packed_torch(r, v, m, cu, gamma, lam, max_seqlen):
+    """Packed GAE by scattering the sequences into a padded [S, max_len] batch and back."""
+    adv, ret = torch.zeros_like(r), torch.zeros_like(r)
+    lens = cu[1:] - cu[:-1]                                     # [S]
+    S = lens.numel()
+    if S == 0:
+        return adv, ret
+    maxlen = int(max_seqlen) if max_seqlen is not None else int(lens.max())
+    if maxlen <= 0:
+        return adv, ret
+    seq = torch.repeat_interleave(torch.arange(S, device=r.device), lens)   # [n_tok]
+    first = torch.cumsum(lens, 0) - lens                                     # [S] exclusive
+    pos = torch.arange(seq.numel(), device=r.device) - first[seq]            # [n_tok]
+    idx = cu[:-1][seq] + pos                                                 # flat token index
+    rp = r.new_zeros(S, maxlen)
+    vp = r.new_zeros(S, maxlen)
+    mp = torch.zeros(S, maxlen, dtype=torch.bool, device=r.device)
+    rp[seq, pos] = r[idx]
+    vp[seq, pos] = v[idx]
+    mp[seq, pos] = True if m is None else m[idx]
+    ap, rtp = _gae_torch(rp, vp, mp, gamma, lam)
+    adv[idx] = ap[seq, pos]
+    ret[idx] = rtp[seq, pos]
+    return adv, ret

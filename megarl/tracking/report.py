@@ -1,0 +1,147 @@
+"""Offline report of a run directory: one PNG per metric family plus `report.md`.
+
+Reads the MLflow run recorded in `<run_dir>/tracking.json` (and its nested child runs, e.g. the
+sft / reward_model / rl stages under a pipeline run) from the store it was logged to. Uses
+matplotlib's object API with the Agg canvas, so no global pyplot/backend state is touched.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from .delivery import PARENT_TAG
+from .state import RunState
+from .tracker import default_tracking_uri
+
+# Ordered: the first matching rule names the family of a metric key.
+_FAMILY_RULES = [
+    ("system", re.compile(r"^system/")),
+    ("eval", re.compile(r"^(eval|val|validation|test)[/_]")),
+    ("loss", re.compile(r"loss|perplexity|ppl", re.I)),
+    ("lr", re.compile(r"(^|[/_.])(lr|learning_rate)($|[/_.])", re.I)),
+    ("grad_norm", re.compile(r"grad[_-]?norm", re.I)),
+    ("reward", re.compile(r"reward|score|return", re.I)),
+    ("kl", re.compile(r"(^|[/_.])kl($|[/_.])|entropy", re.I)),
+    ("throughput", re.compile(r"tok(ens)?[_/]?(per[_/])?s(ec)?|throughput|samples_per|time|mfu", re.I)),
+]
+_LOWER_IS_BETTER = re.compile(r"loss|perplexity|ppl|error|err\b|grad_norm|time", re.I)
+_PARAM_HIGHLIGHTS = re.compile(
+    r"(^|\.)(lr|learning_rate|min_lr|warmup\w*|weight_decay|seed|steps|max_steps|epochs|"
+    r"\w*batch_size|seq_len\w*|max_seq\w*|tensor_model_parallel_size|pipeline_model_parallel_size|"
+    r"tp|pp|dp|cp|ep|\w*parallel\w*|precision|dtype|bf16|fp16|num_layers|hidden_size|"
+    r"num_attention_heads|algorithm|kl_coef|clip\w*|name|path)$", re.I)
+
+
+def metric_family(key: str) -> str:
+    for family, rule in _FAMILY_RULES:
+        if rule.search(key):
+            if family == "system":
+                return "system_memory" if key.endswith("_gib") else "system_utilization"
+            return family
+    return key.split("/", 1)[0] if "/" in key else "other"
+
+
+def _fmt(v: float) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "nan"
+    return f"{v:.4g}"
+
+
+def _plot_family(path: Path, title: str, series: dict[str, tuple[list, list]]) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for key, (steps, values) in sorted(series.items()):
+        ax.plot(steps, values, label=key, marker="o" if len(steps) < 20 else None, markersize=3)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _run_section(client, run, out_dir: Path, prefix: str) -> list[str]:
+    """Plots for one run and its markdown section."""
+    info, data = run.info, run.data
+    lines = [f"## {info.run_name} (`{info.run_id}`)", "",
+             f"- status: {info.status}", f"- experiment id: {info.experiment_id}"]
+    if data.tags.get(PARENT_TAG):
+        lines.append(f"- parent run: `{data.tags[PARENT_TAG]}`")
+    if data.tags.get("checkpoint.latest"):
+        lines.append(f"- latest checkpoint: `{data.tags['checkpoint.latest']}` "
+                     f"(step {data.tags.get('checkpoint.latest_step', '?')})")
+    highlights = {k: v for k, v in sorted(data.params.items()) if _PARAM_HIGHLIGHTS.search(k)}
+    shown = highlights or dict(sorted(data.params.items()))  # nothing recognisable: the first ones
+    if data.params:
+        lines += ["", f"### Params ({len(data.params)} logged; {min(len(shown), 30)} shown)", "",
+                  "| param | value |", "|---|---|"]
+        for k, v in list(shown.items())[:30]:
+            lines.append(f"| `{k}` | `{v[:80]}` |")
+
+    families: dict[str, dict[str, tuple[list, list]]] = defaultdict(dict)
+    summary = []
+    for key in sorted(data.metrics):
+        hist = sorted(client.get_metric_history(info.run_id, key), key=lambda m: (m.step, m.timestamp))
+        if not hist:
+            continue
+        steps, values = [m.step for m in hist], [m.value for m in hist]
+        family = metric_family(key)
+        families[family][key] = (steps, values)
+        if family in ("lr", "throughput"):  # schedules and speeds have no "best"
+            summary.append(f"| `{key}` | {_fmt(values[-1])} (step {steps[-1]}) | - | {len(values)} |")
+        elif not family.startswith("system"):
+            finite = [(v, s) for v, s in zip(values, steps) if not math.isnan(v)]
+            better = min if _LOWER_IS_BETTER.search(key) else max
+            best_v, best_s = better(finite) if finite else (float("nan"), None)
+            summary.append(f"| `{key}` | {_fmt(values[-1])} (step {steps[-1]}) | "
+                           f"{_fmt(best_v)} (step {best_s}) | {len(values)} |")
+    if summary:
+        lines += ["", "### Metrics", "", "| metric | final | best | points |", "|---|---|---|---|", *summary]
+    if families:
+        lines += ["", "### Plots", ""]
+    for family in sorted(families):
+        png = out_dir / f"{prefix}{family}.png"
+        _plot_family(png, f"{info.run_name}: {family}", families[family])
+        lines.append(f"![{family}]({png.name})")
+    return lines + [""]
+
+
+def write_report(run_dir, out_dir=None, *, uri: str | None = None, include_children: bool = True) -> Path:
+    """Write `<out_dir>/report.md` and `<out_dir>/*.png` (default out_dir: <run_dir>/report).
+
+    uri defaults to the store recorded in tracking.json. Returns the path of report.md.
+    """
+    from mlflow.tracking import MlflowClient
+
+    run_dir = Path(run_dir)
+    state = RunState(run_dir).load()
+    if not state.get("run_id"):
+        raise FileNotFoundError(f"{run_dir}/tracking.json names no MLflow run (was tracking on?)")
+    uri = uri or state.get("tracking_uri") or default_tracking_uri(run_dir)
+    out = Path(out_dir) if out_dir is not None else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(state["run_id"])
+    runs = [run]
+    if include_children:
+        children = client.search_runs(
+            [run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{run.info.run_id}'",
+            order_by=["attributes.start_time ASC"])
+        runs += list(children)
+
+    lines = [f"# Run report: {run.info.run_name}", "", f"- run dir: `{run_dir.resolve()}`",
+             f"- tracking store: `{uri}`", f"- run id: `{run.info.run_id}`",
+             f"- view: `mlflow ui --backend-store-uri {uri}`" if uri.startswith("sqlite") else
+             f"- view: {uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}", ""]
+    for i, r in enumerate(runs):
+        prefix = "" if i == 0 else re.sub(r"[^\w.-]", "_", r.info.run_name or r.info.run_id) + "__"
+        lines += _run_section(client, r, out, prefix)
+    report = out / "report.md"
+    report.write_text("\n".join(lines), encoding="utf-8")
+    return report

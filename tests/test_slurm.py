@@ -1,0 +1,362 @@
+"""The SLURM launch path end to end on a real two-node cluster on localhost (tests/slurm_cluster.py):
+launchers/slurm/megarl.sbatch -> srun -> torchrun per node (c10d rendezvous on node 0) or one
+srun task per rank -> gloo across the two "nodes" -> MLflow through megarl.tracking. Plus
+pre-emption: `scontrol requeue` mid-run and SLURM's time-limit warning (SIGUSR1 to the batch
+script) must both end in a resumed job with the same final numbers as an uninterrupted run.
+
+The workload is a stand-in trainer defined at the bottom of this file (run as
+`python tests/test_slurm.py standin ...`), which follows megarl's trainer contract: checkpoint at
+a step boundary on SIGTERM/SIGUSR1, exit 75, resume from the checkpoint when rerun.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_cluster import SlurmCluster, SlurmUnavailable  # tests/ is on sys.path, also in jobs
+
+REPO = Path(__file__).resolve().parents[1]
+SBATCH = REPO / "launchers" / "slurm" / "megarl.sbatch"
+STEPS, SLEEP = 12, 0.3  # a few seconds of "training"; interrupted runs are held at step 3
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+def _job_env(**extra) -> dict:
+    return {"MEGARL_DEVICE": "cpu", "PYTHONPATH": str(REPO), "MEGARL_GRACE_SECONDS": "30",
+            "MLFLOW_TRACKING_URI": "", **extra}
+
+
+def submit_standin(cluster, workdir: Path, name: str, *, launcher: str = "torchrun",
+                   hold_at: int = -1) -> tuple[str, Path]:
+    """The stand-in trainer on 2 nodes x 1 CPU rank through the generic sbatch script."""
+    run_dir = workdir / name
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    job = cluster.submit(
+        SBATCH, "--", sys.executable, str(Path(__file__).resolve()), "standin",
+        "--run-dir", str(run_dir), "--steps", str(STEPS), "--sleep", str(SLEEP), "--hold-at", str(hold_at),
+        sbatch_args=["-N", "2", "--ntasks-per-node=1", "--cpus-per-task=1", f"--job-name={name}"],
+        env=_job_env(MEGARL_LAUNCHER=launcher), cwd=workdir)
+    return job, run_dir
+
+
+def job_log(workdir: Path, name: str, job: str) -> str:
+    path = workdir / "logs" / f"{name}-{job}.out"
+    return path.read_text(errors="replace") if path.exists() else f"(no log at {path})"
+
+
+def assert_completed(cluster, info: dict, log: str) -> None:
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", \
+        f"job ended {info.get('JobState')} {info.get('ExitCode')}\n--- job log ---\n{log}\n{cluster.daemon_logs()}"
+
+
+def loss_history(run_dir: Path) -> tuple[str, set, list]:
+    from mlflow.tracking import MlflowClient
+
+    state = json.loads((run_dir / "tracking.json").read_text())
+    client = MlflowClient(state["tracking_uri"])
+    points = {(m.step, m.value) for m in client.get_metric_history(state["run_id"], "train/loss")}
+    runs = client.search_runs([state["experiment_id"]])
+    return state["run_id"], points, runs
+
+
+def wait_held(cluster, run_dir: Path, timeout: float = 240) -> str:
+    """Wait until the stand-in idles at its --hold-at step with its MLflow run created; return
+    the run id. The interruption then certainly lands mid-run, however slow the machine is."""
+    def ready():
+        try:
+            held = json.loads((run_dir / "progress.json").read_text()).get("held")
+            run_id = json.loads((run_dir / "tracking.json").read_text()).get("run_id")
+        except (OSError, ValueError):
+            return None
+        return run_id if held else None
+
+    return cluster.wait_for(ready, timeout, f"{run_dir.name} to be held mid-run")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    try:
+        c = SlurmCluster(nodes=("n1", "n2"), cpus_per_node=4, kill_wait=30)
+        c.start()
+    except SlurmUnavailable as exc:
+        print(f"SKIP test_slurm: {exc}")
+        pytest.skip(str(exc))
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("slurm_jobs")
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster, workdir):
+    """All jobs submitted at once (they run side by side): name -> (job id, run dir)."""
+    return {
+        "baseline": submit_standin(cluster, workdir, "baseline"),  # uninterrupted reference
+        "srunmode": submit_standin(cluster, workdir, "srunmode", launcher="srun"),
+        "requeued": submit_standin(cluster, workdir, "requeued", hold_at=3),
+        "usr1": submit_standin(cluster, workdir, "usr1", hold_at=3),
+    }
+
+
+@pytest.fixture(scope="module")
+def baseline(cluster, workdir, jobs):
+    job, run_dir = jobs["baseline"]
+    info = cluster.wait(job, timeout=300)
+    assert_completed(cluster, info, job_log(workdir, "baseline", job))
+    return job, run_dir, json.loads((run_dir / "final.json").read_text())
+
+@pytest.mark.slurm
+def test_two_nodes_torchrun_rendezvous_and_tracking(cluster, workdir, baseline):
+    job, run_dir, final = baseline
+    assert final["world_size"] == 2 and sorted(final["nodes"]) == ["n1", "n2"]
+    assert final["resumed_from"] == 0 and final["steps_run"] == STEPS
+    run_id, points, runs = loss_history(run_dir)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.params["standin.world_size"] == "2"
+    assert runs[0].data.tags["nodes"] == "n1,n2"
+    assert sorted(points) == sorted(map(tuple, final["losses"])) and len(points) == STEPS
+    log = job_log(workdir, "baseline", job)
+    assert "[megarl] job" in log and "launcher=torchrun" in log and "training exited 0" in log
+
+@pytest.mark.slurm
+def test_two_nodes_srun_mode(cluster, workdir, jobs, baseline):
+    job, run_dir = jobs["srunmode"]
+    info = cluster.wait(job, timeout=300)
+    assert_completed(cluster, info, job_log(workdir, "srunmode", job))
+    final = json.loads((run_dir / "final.json").read_text())
+    assert sorted(final["nodes"]) == ["n1", "n2"] and final["w"] == baseline[2]["w"]
+    assert "launcher=srun" in job_log(workdir, "srunmode", job)
+
+def _check_resumed_like_baseline(cluster, workdir, name, job, run_dir, run_id_before, baseline):
+    info = cluster.wait(job, timeout=300)
+    log = job_log(workdir, name, job)
+    assert_completed(cluster, info, log)
+    assert int(info["Restarts"]) >= 1, info
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["resumed_from"] == 3, final  # the checkpoint written before the hold
+    assert final["w"] == baseline[2]["w"] and final["loss"] == baseline[2]["loss"]
+    run_id, points, runs = loss_history(run_dir)
+    assert run_id == run_id_before and len(runs) == 1  # the same MLflow run continued
+    assert runs[0].info.status == "FINISHED"
+    assert points == set(map(tuple, baseline[2]["losses"]))  # same curve, nothing missing
+    assert log.count("[megarl] job") >= 2 and "restart 1" in log
+    return log
+
+@pytest.mark.slurm
+def test_scontrol_requeue_resumes_from_checkpoint(cluster, workdir, jobs, baseline):
+    name = "requeued"
+    job, run_dir = jobs[name]
+    run_id_before = wait_held(cluster, run_dir)
+    cluster.run("scontrol", "requeue", job)
+    _check_resumed_like_baseline(cluster, workdir, name, job, run_dir, run_id_before, baseline)
+
+@pytest.mark.slurm
+def test_time_limit_warning_checkpoints_and_self_requeues(cluster, workdir, jobs, baseline):
+    """What `#SBATCH --signal=B:USR1@120` does before the time limit: USR1 to the batch
+    script only -> forwarded to the ranks -> checkpoint, exit 75 -> job.sh requeues."""
+    name = "usr1"
+    job, run_dir = jobs[name]
+    run_id_before = wait_held(cluster, run_dir)
+    cluster.run("scancel", "--batch", "--signal=USR1", job)
+    log = _check_resumed_like_baseline(cluster, workdir, name, job, run_dir, run_id_before, baseline)
+    assert "got SIGUSR1" in log and "training exited 75" in log and "requeueing job" in log
+
+# The project's own trainer through its own sbatch script: `megarl sft` on 2 nodes (DP=2 over
+# gloo between the "nodes"), then the same job requeued mid-run.
+TRAINER_STEPS = 30
+TRAINER_ARGS = ("model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
+                "data.micro_batch_size=8", "data.global_batch_size=16", f"train.steps={TRAINER_STEPS}",
+                "train.eval_interval=0", "train.log_interval=5", "checkpoint.save_interval=2",
+                "lr_schedule.warmup_steps=2")
+
+
+def submit_trainer(cluster, workdir: Path, name: str) -> tuple[str, Path]:
+    run_dir = workdir / name
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    job = cluster.submit(SBATCH, "sft", str(REPO / "configs" / "tiny_sft.yaml"), f"train.run_dir={run_dir}",
+                         *TRAINER_ARGS, sbatch_args=["-N", "2", "--ntasks-per-node=1", "--cpus-per-task=1",
+                                                     f"--job-name={name}"], env=_job_env(), cwd=workdir)
+    return job, run_dir
+
+
+def trainer_metrics(run_dir: Path) -> list[dict]:
+    with open(run_dir / "sft" / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def mlflow_losses(run_dir: Path) -> tuple[str, list[float]]:
+    from mlflow.tracking import MlflowClient
+
+    run_id = json.loads((run_dir / "sft" / "tracking.json").read_text())["run_id"]
+    client = MlflowClient(f"sqlite:///{run_dir}/mlflow.db")
+    history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
+    by_step = {m.step: m.value for m in history}  # delivery is at-least-once: one value per step
+    return run_id, [by_step[s] for s in sorted(by_step)]
+
+
+@pytest.fixture(scope="module")
+def trainer_baseline(cluster, workdir):
+    job, run_dir = submit_trainer(cluster, workdir, "trainer")
+    info = cluster.wait(job, timeout=400)
+    assert_completed(cluster, info, job_log(workdir, "trainer", job))
+    return run_dir
+
+
+@pytest.mark.slurm
+def test_megarl_trainer_on_two_nodes(trainer_baseline):
+    run_dir = trainer_baseline
+    steps = trainer_metrics(run_dir)
+    assert [m["step"] for m in steps] == list(range(1, TRAINER_STEPS + 1))
+    assert steps[-1]["train/loss"] < steps[0]["train/loss"]
+    assert (run_dir / "sft" / "checkpoints" / "latest").read_text().strip() == f"step_{TRAINER_STEPS:08d}"
+    _, losses = mlflow_losses(run_dir)
+    assert losses == [m["train/loss"] for m in steps], "MLflow holds every step's loss"
+
+
+@pytest.mark.slurm
+def test_megarl_trainer_requeued_mid_run_resumes(cluster, workdir, trainer_baseline):
+    job, run_dir = submit_trainer(cluster, workdir, "trainer-requeued")
+    metrics_file = run_dir / "sft" / "metrics.jsonl"
+    cluster.wait_for(lambda: metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 4,
+                     timeout=300, what="4 training steps before the requeue")
+    first_id = json.loads((run_dir / "sft" / "tracking.json").read_text())["run_id"]
+    cluster.run("scontrol", "requeue", job)
+    info = cluster.wait(job, timeout=500)
+    log = job_log(workdir, "trainer-requeued", job)
+    assert_completed(cluster, info, log)
+    assert int(info.get("Restarts", "0")) >= 1, f"the job was not requeued\n{log}"
+    assert "resumed sft from" in log, log[-3000:]
+    assert trainer_metrics(run_dir) == trainer_metrics(trainer_baseline)  # the same run, exactly
+    run_id, losses = mlflow_losses(run_dir)
+    assert run_id == first_id, "the resumed job must continue the same MLflow run"
+    assert losses == [m["train/loss"] for m in trainer_metrics(trainer_baseline)]
+
+
+def test_local_run_sh_preemption_and_resume(tmp_path):
+    """launchers/local/run.sh: SIGTERM to the launcher -> ranks checkpoint -> exit 75; the
+    same command again resumes and ends like an uninterrupted run (no SLURM needed)."""
+    run_dir = tmp_path / "local"
+    cmd = [str(REPO / "launchers" / "local" / "run.sh"), "2", "--", sys.executable,
+           str(Path(__file__).resolve()), "standin", "--run-dir", str(run_dir),
+           "--steps", "6", "--sleep", "0.1", "--hold-at", "2"]
+    env = dict(os.environ, **_job_env())
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if json.loads((run_dir / "progress.json").read_text()).get("held"):
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # run.sh exec'd launchers/torchrun.py: same pid
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 75, out
+    assert not (run_dir / "final.json").exists()
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stdout + again.stderr
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["resumed_from"] == 2 and final["world_size"] == 2 and len(final["losses"]) == 6
+
+
+# ---------------------------------------------------------------------- the stand-in trainer
+def standin_main(argv=None) -> int:
+    """Deterministic 2-rank "training" over gloo with megarl's pre-emption contract."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--sleep", type=float, default=SLEEP)
+    ap.add_argument("--hold-at", type=int, default=-1,
+                    help="first run only: before this step, idle (up to 300 s) until signalled, so a "
+                         "test can interrupt a run that is certainly mid-way")
+    args = ap.parse_args(argv)
+
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from megarl.tracking import create_tracker
+
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda s, f: stop.append(s))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_dir = Path(args.run_dir)
+    ckpt = run_dir / "checkpoint.pt"
+    target = torch.arange(4, dtype=torch.float64)
+    start, w, losses = 0, torch.zeros(4, dtype=torch.float64), []
+    if ckpt.exists():  # resume
+        state = torch.load(ckpt)
+        start, w, losses = state["step"], state["w"], state["losses"]
+    nodes = [None] * world
+    dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME", socket.gethostname()))
+    tracker = create_tracker(run_dir, {"standin": {"steps": args.steps, "world_size": world}}, rank=rank,
+                             run_name="standin", system_metrics_interval=None, flush_timeout=60)
+    tracker.set_tags({"nodes": ",".join(sorted(nodes))})
+
+    def stop_agreed() -> bool:  # all ranks stop at the same step boundary
+        flag = torch.tensor([1.0 if stop else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
+
+    loss = float("nan")
+    for step in range(start, args.steps):
+        if step == args.hold_at and start == 0:  # never again after a resume
+            if rank == 0:
+                (run_dir / "progress.json").write_text(json.dumps({"step": step, "held": True}))
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and not stop_agreed():
+                time.sleep(0.2)
+        if stop_agreed():
+            print(f"[standin] rank {rank}: signal {stop[:1]} -> checkpoint at step {step}, exit 75", flush=True)
+            tracker.close("KILLED", timeout=5)
+            dist.destroy_process_group()
+            return 75
+        grad = (w - target) * (rank + 1)
+        dist.all_reduce(grad)
+        w = w - 0.1 * grad / sum(range(1, world + 1))
+        loss = float(((w - target) ** 2).sum())
+        losses.append([step, loss])
+        tracker.log_metrics({"train/loss": loss, "train/lr": 0.1}, step=step)
+        if rank == 0:  # atomic checkpoint, then progress marker
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"step": step + 1, "w": w, "losses": losses}, tmp)
+            os.replace(tmp, ckpt)
+            (run_dir / "progress.json").write_text(json.dumps({"step": step + 1}))
+        time.sleep(args.sleep)
+    if rank == 0:
+        (run_dir / "final.json").write_text(json.dumps({
+            "w": w.tolist(), "loss": loss, "losses": losses, "world_size": world, "nodes": nodes,
+            "resumed_from": start, "steps_run": args.steps - start}))
+    tracker.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "standin":
+        sys.exit(standin_main(sys.argv[2:]))
+    sys.exit("usage: python tests/test_slurm.py standin --run-dir DIR [--steps N] [--sleep S]")

@@ -1,0 +1,277 @@
+"""megarl.tracking against the embedded (SQLite) store: logging, resume, nesting, spill/replay,
+params flattening, NullTracker parity and the offline report.
+
+Server-backed behaviour (a real `mlflow server` going down and coming back) is in
+test_tracking_server.py. Creating a SQLite store costs MLflow a few seconds (schema migrations),
+so most tests share one module-level database and pass its URI explicitly.
+"""
+import dataclasses
+import inspect
+import json
+import logging
+import math
+import time
+
+import pytest
+
+pytest.importorskip("mlflow")
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from dist_helpers import free_port  # noqa: E402
+from megarl.tracking import (  # noqa: E402
+    NullTracker, Tracker, create_tracker, flatten_params, replay_spill, write_report,
+)
+from megarl.tracking.params import MAX_PARAM_VALUE_LEN, TRUNCATION_MARK, metric_value, sanitize_key  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+FAST = dict(system_metrics_interval=None, retry_backoff=(0.05, 0.2), flush_timeout=30)
+
+
+@pytest.fixture(scope="module")
+def store_uri(tmp_path_factory):
+    return f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+
+
+def history(client, run_id, key):
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+# ------------------------------------------------------------------ params and keys
+@dataclasses.dataclass
+class _Optim:
+    lr: float = 1e-4
+    betas: tuple = (0.9, 0.95)
+
+
+def test_flatten_params_nested_dataclass_lists_and_limits():
+    cfg = {
+        "optim": _Optim(),
+        "model": {"num_layers": 2, "rope": {"theta": 10000.0}, "empty": {}},
+        "data": {"sources": [{"path": "a.jsonl", "weight": 0.7}, {"path": "b.jsonl", "weight": 0.3}]},
+        "train": {"run_dir": "runs/x", "resume": None, "flag": True},
+        "bad key!": {"x@y": 1},
+        "long": "v" * (MAX_PARAM_VALUE_LEN + 100),
+    }
+    flat = flatten_params(cfg)
+    assert flat["optim.lr"] == "0.0001"
+    assert flat["optim.betas"] == "[0.9, 0.95]"
+    assert flat["model.rope.theta"] == "10000.0"
+    assert flat["model.empty"] == "{}"
+    assert flat["data.sources.1.path"] == "b.jsonl"
+    assert flat["train.resume"] == "None" and flat["train.flag"] == "True"
+    assert flat["bad key_.x_y"] == "1"
+    assert len(flat["long"]) == MAX_PARAM_VALUE_LEN and flat["long"].endswith(TRUNCATION_MARK)
+
+
+def test_sanitize_key_and_metric_value():
+    import numpy as np
+    import torch
+
+    assert sanitize_key("train/loss") == "train/loss"
+    assert sanitize_key("a//b/./c/") == "a/b/c"
+    assert sanitize_key("eval@step#1") == "eval_step_1"
+    assert len(sanitize_key("k" * 400)) == 250
+    assert metric_value(torch.tensor(2.5)) == 2.5 and metric_value(np.float32(1.5)) == 1.5
+    assert metric_value("abc") is None and metric_value(None) is None
+    assert metric_value(float("inf")) > 1e300 and math.isnan(metric_value(float("nan")))
+
+
+# ------------------------------------------------------------------ embedded store
+def test_default_store_is_inside_run_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "run"
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text("optim:\n  lr: 0.001\n")
+    t = Tracker.start(run_dir, {"optim": {"lr": 1e-3}}, run_name="tiny",
+                      **{**FAST, "system_metrics_interval": 0.2})
+    assert t.uri == f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+    for step in range(5):
+        t.log_metrics({"train/loss": 1.0 / (step + 1), "train/lr": 1e-3, "junk": "x"}, step=step)
+    t.log_artifact(cfg_file)
+    t.log_dict({"a": 1}, "config/resolved.json")
+    t.log_table([{"prompt": "1+1=", "output": "2"}, {"prompt": "hi", "output": "hello", "reward": 0.5}],
+                "eval_samples", step=4)
+    t.log_checkpoint(run_dir / "checkpoints" / "step_4", 4)
+    client = MlflowClient(t.uri)
+    deadline = time.monotonic() + 30  # the system sampler (every 0.2 s) must have reported
+    while time.monotonic() < deadline:
+        if t.flush(10) and "system/cpu_rss_gib" in client.get_run(t.run_id).data.metrics:
+            break
+        time.sleep(0.2)
+    assert t.close() is True
+
+    run = client.get_run(t.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "tiny"
+    assert run.data.params == {"optim.lr": "0.001"}
+    assert history(client, t.run_id, "train/loss") == [(s, 1.0 / (s + 1)) for s in range(5)]
+    assert "junk" not in run.data.metrics
+    assert "system/cpu_rss_gib" in run.data.metrics
+    assert run.data.tags["checkpoint.latest"].endswith("checkpoints/step_4")
+    assert run.data.tags["checkpoint.latest_step"] == "4"
+    assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == t.run_id
+    # artifacts live in the run dir, the table is in MLflow's table format and registered
+    art_root = run_dir / "mlartifacts"
+    assert list(art_root.rglob("config.yaml")) and list(art_root.rglob("resolved.json"))
+    table_file = next(art_root.rglob("step_00000004.json"))
+    table = json.loads(table_file.read_text())
+    assert table["columns"] == ["step", "prompt", "output", "reward"]
+    assert table["data"][1] == [4, "hi", "hello", 0.5]
+    assert "tables/eval_samples/step_00000004.json" in run.data.tags["mlflow.loggedArtifacts"]
+
+
+def test_env_uri_overrides_default(tmp_path, monkeypatch, store_uri):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store_uri)
+    t = Tracker.start(tmp_path / "run", **FAST)
+    assert t.uri == store_uri
+    t.log_metrics({"x": 1.0}, step=0)
+    assert t.close()
+    assert not (tmp_path / "run" / "mlflow.db").exists()
+    assert MlflowClient(store_uri).get_run(t.run_id).data.metrics["x"] == 1.0
+
+
+def test_resume_continues_same_run_and_keeps_changed_params(tmp_path, store_uri):
+    run_dir = tmp_path / "run"
+    t1 = Tracker.start(run_dir, {"optim": {"lr": 0.1}, "seed": 1}, uri=store_uri, **FAST)
+    for s in range(3):
+        t1.log_metrics({"train/loss": float(s)}, step=s)
+    assert t1.close("KILLED")  # pre-empted
+    t2 = Tracker.start(run_dir, {"optim": {"lr": 0.05}, "seed": 1, "new": "x"}, uri=store_uri, **FAST)
+    for s in range(3, 6):
+        t2.log_metrics({"train/loss": float(s)}, step=s)
+    assert t2.close()
+    assert t2.run_id == t1.run_id
+    client = MlflowClient(store_uri)
+    run = client.get_run(t1.run_id)
+    assert run.info.status == "FINISHED"
+    assert history(client, t1.run_id, "train/loss") == [(s, float(s)) for s in range(6)]
+    assert run.data.params["optim.lr"] == "0.1" and run.data.params["new"] == "x"
+    assert json.loads(run.data.tags["megarl.changed_params"]) == {"optim.lr": ["0.1", "0.05"]}
+
+
+def test_nested_runs_and_report(tmp_path, store_uri):
+    pipe = Tracker.start(tmp_path / "pipe", {"pipeline": "sft,rl"}, uri=store_uri, run_name="pipeline", **FAST)
+    sft = Tracker.start(tmp_path / "pipe" / "sft", {"optim": {"lr": 1e-5}}, parent=pipe, run_name="sft", **FAST)
+    rl = Tracker.start(tmp_path / "pipe" / "rl", {"algo": "grpo"}, parent=pipe, run_name="rl", **FAST)
+    assert sft.uri == rl.uri == store_uri  # children log into the parent's store
+    for s in range(20):
+        sft.log_metrics({"train/loss": 2.0 * math.exp(-s / 5), "train/lr": 1e-5 * min(1, s / 5),
+                         "train/grad_norm": 1.0 + 0.1 * s}, step=s)
+        rl.log_metrics({"rl/reward_mean": s / 20, "rl/kl": 0.01 * s}, step=s)
+        if s % 5 == 4:
+            sft.log_metrics({"eval/loss": 2.0 * math.exp(-s / 6), "eval/accuracy": s / 20}, step=s)
+    pipe.log_metrics({"pipeline/stage": 2}, step=0)
+    for t in (sft, rl, pipe):
+        assert t.close()
+    client = MlflowClient(store_uri)
+    for child in (sft, rl):
+        assert client.get_run(child.run_id).data.tags["mlflow.parentRunId"] == pipe.run_id
+
+    report = write_report(tmp_path / "pipe")
+    out = report.parent
+    names = {p.name for p in out.glob("*.png")}
+    assert {"sft__loss.png", "sft__lr.png", "sft__grad_norm.png", "sft__eval.png",
+            "rl__reward.png", "rl__kl.png"} <= names, names
+    from matplotlib.image import imread
+
+    img = imread(out / "sft__loss.png")
+    assert img.shape[0] > 100 and img.shape[1] > 100 and img.std() > 0.01  # a real, non-blank plot
+    md = report.read_text()
+    assert pipe.run_id in md and sft.run_id in md and "![loss](sft__loss.png)" in md
+    assert "| `eval/accuracy` | 0.95 (step 19) | 0.95 (step 19) | 4 |" in md
+    # the child's own run dir reports just that run
+    assert write_report(tmp_path / "pipe" / "sft", tmp_path / "sft_report").exists()
+    assert (tmp_path / "sft_report" / "loss.png").exists()
+
+
+# ------------------------------------------------------------------ store unreachable
+def test_unreachable_store_never_blocks_and_spill_replays(tmp_path, store_uri, caplog):
+    """Nothing listens on the port: calls stay fast, close() gives up after its timeout and
+    spills; a later Tracker on the same run dir replays the spill into a reachable store."""
+    run_dir = tmp_path / "run"
+    dead = f"http://127.0.0.1:{free_port()}"
+    caplog.set_level(logging.WARNING, logger="megarl.tracking")
+    t = Tracker.start(run_dir, {"optim": {"lr": 0.1}}, uri=dead, max_pending=50, **FAST)
+    slowest = 0.0
+    for s in range(200):
+        t0 = time.perf_counter()
+        t.log_metrics({"train/loss": float(s)}, step=s)
+        t.set_tag("checkpoint.latest", f"ckpt/{s}")
+        slowest = max(slowest, time.perf_counter() - t0)
+    # Generous bound (shared 2-core CI): blocking on the dead store would take >= 1 s per call.
+    assert slowest < 0.5, f"a logging call took {slowest:.3f}s"
+    assert t.pending <= 50  # bounded memory: the overflow went to disk
+    deadline = time.monotonic() + 30  # the delivery thread has failed (first mlflow import is slow)
+    while time.monotonic() < deadline and not any("cannot deliver" in r.getMessage() for r in caplog.records):
+        time.sleep(0.1)
+    time.sleep(1.0)  # several more failed retries (backoff 0.05..0.2 s) must stay silent
+    t0 = time.monotonic()
+    assert t.close(timeout=1.0) is False
+    assert time.monotonic() - t0 < 5.0
+    assert t.run_id is None
+    spill = run_dir / "tracking_spill.jsonl"
+    ops = [json.loads(line) for line in spill.read_text().splitlines()]
+    assert sum(op["op"] == "metrics" for op in ops) == 200
+    failures = [r for r in caplog.records if "cannot deliver" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info is None  # one line, no traceback storm
+
+    t2 = Tracker.start(run_dir, uri=store_uri, **FAST)  # e.g. the requeued job, store back up
+    t2.log_metrics({"train/loss": 200.0}, step=200)
+    assert t2.flush(60)
+    assert t2.close()
+    assert not list(run_dir.glob("tracking_spill*"))
+    run = MlflowClient(store_uri).get_run(t2.run_id)
+    assert history(MlflowClient(store_uri), t2.run_id, "train/loss") == [(s, float(s)) for s in range(201)]
+    assert run.data.params == {"optim.lr": "0.1"}
+    assert run.data.tags["checkpoint.latest"] == "ckpt/199"  # replay kept the order
+    assert run.info.status == "FINISHED"  # the spilled FINISHED of the first session is not replayed
+
+
+def test_replay_spill_applies_final_status(tmp_path, store_uri):
+    run_dir = tmp_path / "run"
+    t = Tracker.start(run_dir, uri=store_uri, **FAST)
+    t.log_metrics({"a": 1.0}, step=0)
+    assert t.close("KILLED")
+    t = Tracker.start(run_dir, uri=f"http://127.0.0.1:{free_port()}", **FAST)  # store "down"
+    t.log_metrics({"a": 2.0}, step=1)
+    assert t.close("FINISHED", timeout=0.5) is False
+    assert replay_spill(run_dir, uri=store_uri, timeout=30)
+    client = MlflowClient(store_uri)
+    assert history(client, t.run_id or json.loads((run_dir / "tracking.json").read_text())["run_id"], "a") \
+        == [(0, 1.0), (1, 2.0)]
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_rejected_op_is_dropped_not_blocking(tmp_path, store_uri, caplog):
+    caplog.set_level(logging.WARNING, logger="megarl.tracking")
+    gone = tmp_path / "gone.txt"
+    gone.write_text("x")
+    t = Tracker.start(tmp_path / "run", uri=store_uri, **FAST)
+    t.log_artifact(gone)
+    gone.unlink()  # deleted before the upload: the op can never succeed
+    t.log_metrics({"after": 1.0}, step=0)
+    assert t.close()
+    assert MlflowClient(store_uri).get_run(t.run_id).data.metrics["after"] == 1.0
+    assert any("rejected by the store and dropped" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------ NullTracker / factory
+def test_null_tracker_has_the_tracker_interface(tmp_path):
+    public = {n for n, v in vars(Tracker).items() if not n.startswith("_") and callable(v)} - {"start"}
+    for name in public | {"start"}:
+        assert hasattr(NullTracker, name), name
+        want = list(inspect.signature(getattr(Tracker, name)).parameters)
+        got = list(inspect.signature(getattr(NullTracker, name)).parameters)
+        if name != "start":
+            assert got == want, (name, got, want)
+    for prop in ("run_id", "pending", "uri"):
+        assert hasattr(NullTracker(), prop)
+    assert isinstance(create_tracker(tmp_path, {"a": 1}, rank=1), NullTracker)
+    assert isinstance(create_tracker(tmp_path, {"a": 1}, backend="none"), NullTracker)
+    with create_tracker(tmp_path, backend="none") as t:
+        t.log_metrics({"a": 1}, step=0)
+        t.log_table([{"a": 1}], "x", 0)
+    assert not (tmp_path / "tracking.json").exists()
+    with pytest.raises(ValueError):
+        create_tracker(tmp_path, backend="wandb")
