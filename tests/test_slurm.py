@@ -178,10 +178,10 @@ def test_time_limit_warning_checkpoints_and_self_requeues(cluster, workdir, jobs
 
 # The project's own trainer through its own sbatch script: `megarl sft` on 2 nodes (DP=2 over
 # gloo between the "nodes"), then the same job requeued mid-run.
-TRAINER_STEPS = 30
+TRAINER_STEPS = 80
 TRAINER_ARGS = ("model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
                 "data.micro_batch_size=8", "data.global_batch_size=16", f"train.steps={TRAINER_STEPS}",
-                "train.eval_interval=0", "train.log_interval=5", "checkpoint.save_interval=2",
+                "train.eval_interval=0", "train.log_interval=10", "checkpoint.save_interval=4",
                 "lr_schedule.warmup_steps=2")
 
 
@@ -209,6 +209,16 @@ def mlflow_losses(run_dir: Path) -> tuple[str, list[float]]:
     return run_id, [by_step[s] for s in sorted(by_step)]
 
 
+def sft_run_ids(run_dir: Path) -> list[str]:
+    """Every MLflow run of the sft stage in the run dir's store (a requeue must not add one)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{run_dir}/mlflow.db")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments, filter_string="tags.`megarl.stage` = 'sft'")
+    return [r.info.run_id for r in runs]
+
+
 @pytest.fixture(scope="module")
 def trainer_baseline(cluster, workdir):
     job, run_dir = submit_trainer(cluster, workdir, "trainer")
@@ -231,10 +241,8 @@ def test_megarl_trainer_on_two_nodes(trainer_baseline):
 @pytest.mark.slurm
 def test_megarl_trainer_requeued_mid_run_resumes(cluster, workdir, trainer_baseline):
     job, run_dir = submit_trainer(cluster, workdir, "trainer-requeued")
-    metrics_file = run_dir / "sft" / "metrics.jsonl"
-    cluster.wait_for(lambda: metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 4,
-                     timeout=300, what="4 training steps before the requeue")
-    first_id = json.loads((run_dir / "sft" / "tracking.json").read_text())["run_id"]
+    latest = run_dir / "sft" / "checkpoints" / "latest"
+    cluster.wait_for(latest.exists, timeout=300, what="a first checkpoint before the requeue")
     cluster.run("scontrol", "requeue", job)
     info = cluster.wait(job, timeout=500)
     log = job_log(workdir, "trainer-requeued", job)
@@ -243,7 +251,7 @@ def test_megarl_trainer_requeued_mid_run_resumes(cluster, workdir, trainer_basel
     assert "resumed sft from" in log, log[-3000:]
     assert trainer_metrics(run_dir) == trainer_metrics(trainer_baseline)  # the same run, exactly
     run_id, losses = mlflow_losses(run_dir)
-    assert run_id == first_id, "the resumed job must continue the same MLflow run"
+    assert sft_run_ids(run_dir) == [run_id], "the resumed job must continue the same MLflow run"
     assert losses == [m["train/loss"] for m in trainer_metrics(trainer_baseline)]
 
 

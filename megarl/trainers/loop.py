@@ -143,15 +143,20 @@ def run_stage(cfg: Config, stage: Stage, stage_dir: str, tracker) -> dict:
         step = saved["step"]
         if is_rank0():
             log.info("resumed %s from %s (step %d)", stage.name, latest, step)
+    last_saved = step if latest is not None else None  # the newest durable checkpoint's step
     metrics_file = MetricsFile(os.path.join(stage_dir, "metrics.jsonl"), step)
     n_micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * ps.get_data_parallel_world_size())
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_length
     final: dict = {}
 
     def checkpoint(at: int) -> None:
+        nonlocal last_saved
+        if last_saved == at:
+            return
         path = save_checkpoint(ckpt_root, at, roles, {"data": stage.train_data.state_dict(), "extra": stage.state},
                                keep_last=cfg.checkpoint.keep_last)
         tracker.log_checkpoint(path, at)
+        last_saved = at
 
     def evaluate(at: int) -> dict:
         metrics, rows = stage.evaluate()
@@ -177,20 +182,20 @@ def run_stage(cfg: Config, stage: Stage, stage_dir: str, tracker) -> dict:
             if result.skipped:
                 record["train/skipped_steps"] = 1
             tracker.log_metrics(record, step=step)
+            # wall-clock figures stay out of the file, so a resumed run's file equals an uninterrupted one's
             metrics_file.write({"step": step, **{k: v for k, v in record.items() if "time" not in k and "per_s" not in k}})
             final.update(record)
             bar.update(record)
             if stage.evaluate is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
                 final.update(evaluate(step))
-            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0 and step < t.steps:
+            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
                 checkpoint(step)
             if preempt.requested():
                 checkpoint(step)
                 bar.close()
                 raise Preempted(f"{stage.name}: pre-empted at step {step}; checkpoint saved, exiting {EXIT_REQUEUE} for requeue")
     bar.close()
-    if latest is None or step > int(os.path.basename(latest).split("_")[1]):
-        checkpoint(step)
+    checkpoint(step)  # the final state (a no-op if this step is already saved)
     return final
 
 
