@@ -38,10 +38,7 @@ void forward_rows(const float* x, int64_t rows, int64_t n, int64_t ld, const int
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t t = targets[row];
     if (t == ignore_index) {
-      o0[row] = 0.f;
-      o1[row] = finalize ? 0.f : 1.f;
-      o2[row] = 0.f;
-      if (!finalize) o3[row] = 0.f;
+      store_ignored_row(finalize, row, o0, o1, o2, o3);
       continue;
     }
     const float* xr = x + row * ld;
@@ -51,17 +48,7 @@ void forward_rows(const float* x, int64_t rows, int64_t n, int64_t ld, const int
     const int64_t tl = t - vocab_start;
     const bool owned = tl >= 0 && tl < n;
     const float yt = owned ? xr[tl] * c2 : 0.f;
-    if (finalize) {
-      const RowOut o = lse_finalize(st, yt, t >= 0 && t < global_vocab);
-      o0[row] = o.logprob;
-      o1[row] = o.entropy;
-      o2[row] = o.lse;
-    } else {
-      o0[row] = st.m * kLn2;
-      o1[row] = st.s;
-      o2[row] = st.w * kLn2;
-      o3[row] = yt * kLn2;
-    }
+    store_row(finalize, st, yt, t >= 0 && t < global_vocab, row, o0, o1, o2, o3);
   }
 }
 

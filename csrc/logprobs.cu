@@ -50,12 +50,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t t = targets[row];
     if (t == ignore_index) {  // padding costs no bandwidth; neutral stats for the TP reduction
-      if (threadIdx.x == 0) {
-        o0[row] = 0.f;
-        o1[row] = finalize ? 0.f : 1.f;
-        o2[row] = 0.f;
-        if (!finalize) o3[row] = 0.f;
-      }
+      if (threadIdx.x == 0) store_ignored_row(finalize, row, o0, o1, o2, o3);
       continue;
     }
     const T* xr = x + row * ld;
@@ -65,17 +60,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t tl = t - vocab_start;
       const bool owned = tl >= 0 && tl < n;
       const float yt = owned ? to_float(xr[tl]) * c2 : 0.f;
-      if (finalize) {
-        const RowOut o = lse_finalize(st, yt, t >= 0 && t < global_vocab);
-        o0[row] = o.logprob;
-        o1[row] = o.entropy;
-        o2[row] = o.lse;
-      } else {
-        o0[row] = st.m * kLn2;
-        o1[row] = st.s;
-        o2[row] = st.w * kLn2;
-        o3[row] = yt * kLn2;
-      }
+      store_row(finalize, st, yt, t >= 0 && t < global_vocab, row, o0, o1, o2, o3);
     }
   }
 }

@@ -154,6 +154,31 @@ MEGARL_HD RowOut lse_finalize(const LseState& st, float yt, bool valid) {
   return o;
 }
 
+// The forward's per-row outputs. finalize: (logprob, entropy, lse) in nats. Otherwise the raw
+// base-2 statistics (m, s, w, y_t) that the tensor-parallel reduction combines first.
+MEGARL_HD void store_row(bool finalize, const LseState& st, float yt, bool valid, int64_t row,
+                         float* o0, float* o1, float* o2, float* o3) {
+  if (finalize) {
+    const RowOut o = lse_finalize(st, yt, valid);
+    o0[row] = o.logprob;
+    o1[row] = o.entropy;
+    o2[row] = o.lse;
+  } else {
+    o0[row] = st.m * kLn2;
+    o1[row] = st.s;
+    o2[row] = st.w * kLn2;
+    o3[row] = yt * kLn2;
+  }
+}
+
+// An ignore_index row: zeros, or neutral statistics (s = 1) for the tensor-parallel reduction.
+MEGARL_HD void store_ignored_row(bool finalize, int64_t row, float* o0, float* o1, float* o2, float* o3) {
+  o0[row] = 0.f;
+  o1[row] = finalize ? 0.f : 1.f;
+  o2[row] = 0.f;
+  if (!finalize) o3[row] = 0.f;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backward. With z = x / T, p = softmax(z), lp = z_t - lse and H = -sum p log p:
 //   dL/dz_j = g_lp (1[j=t] - p_j) + g_ent p_j (sum_k p_k z_k - z_j)
