@@ -97,7 +97,16 @@ if [ "$RC" -eq "$MEGARL_REQUEUE_EXIT" ] || { [ "$WARNED" = 1 ] && [ "$RC" -ne 0 
     echo "[megarl] training exited $RC (pre-empted); job state ${STATE:-unknown}"
     if [ "$STATE" = RUNNING ] && [ "${MEGARL_REQUEUE:-1}" = 1 ]; then
         echo "[megarl] requeueing job $SLURM_JOB_ID; it resumes from the latest checkpoint"
-        scontrol requeue "$SLURM_JOB_ID" || echo "[megarl] scontrol requeue failed: resubmit the same command to resume" >&2
+        if scontrol requeue "$SLURM_JOB_ID"; then
+            # Let SLURM end this instance: exiting first races the requeue, and the job can then be
+            # recorded as finished instead of going back to the queue. Bounded: 120 s at most.
+            for _ in $(seq 240); do
+                [ "$(job_state)" = RUNNING ] || break
+                sleep 0.5
+            done
+        else
+            echo "[megarl] scontrol requeue failed: resubmit the same command to resume" >&2
+        fi
     fi
     exit "$MEGARL_REQUEUE_EXIT"
 fi
