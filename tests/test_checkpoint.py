@@ -141,3 +141,44 @@ def test_atomic_saves_and_failure_paths(tmp_path):
     assert "incomplete checkpoint (no megarl_manifest.json" in out["incomplete"]
     assert "has no role(s) critic (saved: policy)" in out["wrong_role"]
     assert all("\n" not in v for k, v in out.items() if isinstance(v, str))
+
+
+def _async_body(rank, world, root):
+    """Save asynchronously at step 2 and keep training while the background write runs."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from megarl.checkpoint.distributed import latest_checkpoint, load_checkpoint, save_checkpoint
+    from megarl.models.layout import gather_full_state_dict
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    init_distributed(2, 1, seed=11)
+    role = _role(2, 1)
+    _step(role, 0), _step(role, 1)
+    saved = gather_full_state_dict(role.model, P.VOCAB)
+    queue, published = AsyncCallsQueue(), []
+    path = save_checkpoint(root, 2, {"policy": role}, {"data": {"consumed_samples": 16}}, async_queue=queue,
+                           on_durable=published.append)
+    latest_while_writing = latest_checkpoint(root)  # nothing is published before finalization
+    _step(role, 2), _step(role, 3)  # in-place updates of the saved parameters and Adam moments
+    queue.maybe_finalize_async_calls(blocking=True)
+    moved = gather_full_state_dict(role.model, P.VOCAB)
+    fresh = _role(2, 1, seed=999)
+    state = load_checkpoint(latest_checkpoint(root), {"policy": fresh})
+    loaded = gather_full_state_dict(fresh.model, P.VOCAB)
+    teardown()
+    return {"saved": saved, "moved": moved, "loaded": loaded, "state": state, "path": path,
+            "published": published, "latest_while_writing": latest_while_writing}
+
+
+@pytest.mark.slow
+def test_async_save_snapshots_the_step_it_was_called_at(tmp_path):
+    root = str(tmp_path / "ckpt")
+    outs = run_distributed(_async_body, 2, root)
+    got = outs[0]
+    assert got["latest_while_writing"] is None
+    assert [o["published"] for o in outs] == [[got["path"]]] * 2  # on_durable ran once on every rank
+    assert got["state"]["step"] == 2 and got["state"]["data"] == {"consumed_samples": 16}
+    assert any(not torch.equal(got["moved"][k], v) for k, v in got["saved"].items())
+    for k, v in got["saved"].items():
+        assert torch.equal(got["loaded"][k], v), f"{k}: the checkpoint holds later updates"
+    assert sorted(os.listdir(root)) == ["latest", "step_00000002"]

@@ -124,6 +124,24 @@ def test_sigterm_checkpoints_exits_75_and_resumes(tmp_path, uninterrupted):
     assert metrics(run / "sft") == uninterrupted[0]
 
 
+def test_async_saves_preempt_and_resume_like_sync_saves(tmp_path, uninterrupted):
+    """Background writes (checkpoint.async_save): pre-emption publishes the in-flight save before
+    exiting 75, and the resumed run ends where the synchronous uninterrupted run does."""
+    run = tmp_path / "run"
+    args = sft_args(run, *RESUME, "checkpoint.async_save=true")
+    proc = _start(args)
+    _wait_for_step(run / "sft", 1, proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, (out[-2000:], err[-2000:])
+    assert not [d for d in os.listdir(run / "sft" / "checkpoints") if d.startswith(".tmp")]
+    megarl(args)
+    ref_metrics, ref_weights = uninterrupted
+    assert metrics(run / "sft") == ref_metrics
+    weights = _final_weights(run / "sft")
+    assert weights.keys() == ref_weights.keys() and all(torch.equal(weights[k], ref_weights[k]) for k in weights)
+
+
 def test_rm_resume_after_sigkill_is_bit_exact(tmp_path):
     args = ("train.steps=4", "train.eval_interval=0", "checkpoint.save_interval=2", "reward_model.init_from=null")
     full = tmp_path / "full"

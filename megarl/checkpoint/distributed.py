@@ -131,9 +131,17 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def save_checkpoint(root: str, step: int, roles: dict, state: dict, keep_last: int = 2) -> str:
-    """Save every role plus `state` as checkpoint `step` under `root`; collective."""
+def save_checkpoint(root: str, step: int, roles: dict, state: dict, keep_last: int = 2, *,
+                    async_queue=None, on_durable=None) -> str:
+    """Save every role plus `state` as checkpoint `step` under `root`; collective.
+
+    With `async_queue` (megatron-core's AsyncCallsQueue) this returns once the tensors are staged
+    in host memory and a background process writes them; the checkpoint becomes durable
+    (manifest, rename, `latest`) when the queue finalizes the call, on every rank at the same
+    step. `on_durable(path)` runs on every rank once it is.
+    """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
@@ -143,11 +151,29 @@ def save_checkpoint(root: str, step: int, roles: dict, state: dict, keep_last: i
         os.makedirs(tmp)
     _barrier()
     sd = _sharded_state_dict(roles, dict(state, step=step), _rng_state(), is_loading=False)
-    dist_checkpointing.save(sd, tmp)
+
+    def publish():
+        _publish(root, tmp, final, step, sorted(roles), keep_last)
+        if on_durable is not None:
+            on_durable(final)
+
+    if async_queue is None:
+        dist_checkpointing.save(sd, tmp)
+        publish()
+    else:
+        request = dist_checkpointing.save(sd, tmp, TorchDistSaveShardedStrategy("torch_dist", 1),
+                                          async_sharded_save=True)
+        request.add_finalize_fn(publish)
+        async_queue.schedule_async_request(request)
+    return final
+
+
+def _publish(root: str, tmp: str, final: str, step: int, role_names: list, keep_last: int) -> None:
+    """Make the written `tmp` durable and the newest checkpoint: fsync, manifest, rename, latest."""
     _barrier()
     if _rank() == 0:
         files = _fsync_tree(tmp)
-        manifest = {"step": step, "layout": _layout(), "roles": sorted(roles), "files": files}
+        manifest = {"step": step, "layout": _layout(), "roles": role_names, "files": files}
         _write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -155,7 +181,6 @@ def save_checkpoint(root: str, step: int, roles: dict, state: dict, keep_last: i
         for old in list_checkpoints(root)[:-keep_last]:
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     _barrier()
-    return final
 
 
 def list_checkpoints(root: str) -> list[str]:

@@ -131,6 +131,9 @@ class CheckpointConfig:
     save_interval: int = 0  # 0: only at the end of the run
     keep_last: int = 2
     resume: bool = True  # pick up <run_dir>/.../checkpoints/latest if present
+    # write tensors in a background process (megatron-core async save): training goes on once
+    # they are staged in host memory; the checkpoint is published when the write has finished
+    async_save: bool = False
 
 
 @dataclass

@@ -148,15 +148,26 @@ def run_stage(cfg: Config, stage: Stage, stage_dir: str, tracker) -> dict:
     n_micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * ps.get_data_parallel_world_size())
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_length
     final: dict = {}
+    saves = None  # megatron-core's queue of background checkpoint writes (checkpoint.async_save)
+    if cfg.checkpoint.async_save:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        saves = AsyncCallsQueue()
 
     def checkpoint(at: int) -> None:
         nonlocal last_saved
         if last_saved == at:
             return
-        path = save_checkpoint(ckpt_root, at, roles, {"data": stage.train_data.state_dict(), "extra": stage.state},
-                               keep_last=cfg.checkpoint.keep_last)
-        tracker.log_checkpoint(path, at)
+        if saves is not None:  # one write in flight at a time: the previous one is published first
+            saves.maybe_finalize_async_calls(blocking=True)
+        save_checkpoint(ckpt_root, at, roles, {"data": stage.train_data.state_dict(), "extra": stage.state},
+                        keep_last=cfg.checkpoint.keep_last, async_queue=saves,
+                        on_durable=lambda path: tracker.log_checkpoint(path, at))
         last_saved = at
+
+    def wait_for_saves() -> None:
+        if saves is not None:
+            saves.maybe_finalize_async_calls(blocking=True)
 
     def evaluate(at: int) -> dict:
         metrics, rows = stage.evaluate()
@@ -169,33 +180,43 @@ def run_stage(cfg: Config, stage: Stage, stage_dir: str, tracker) -> dict:
         return metrics
 
     bar = Progress(t.steps, step, stage.name, t.log_interval)
-    with PreemptionSignal() as preempt:
-        while step < t.steps:
-            start = time.perf_counter()
-            microbatches = [next(stage.train_data) for _ in range(n_micro)]
-            result = stage.role.train_step(microbatches, stage.loss_fn)
-            step += 1
-            dt = time.perf_counter() - start
-            record = {f"train/{k}": v for k, v in result.metrics.items()}
-            record.update({"train/lr": result.lr, "train/grad_norm": result.grad_norm,
-                           "train/step_time_s": dt, "train/tokens_per_s": tokens_per_step / dt})
-            if result.skipped:
-                record["train/skipped_steps"] = 1
-            tracker.log_metrics(record, step=step)
-            # wall-clock figures stay out of the file, so a resumed run's file equals an uninterrupted one's
-            metrics_file.write({"step": step, **{k: v for k, v in record.items() if "time" not in k and "per_s" not in k}})
-            final.update(record)
-            bar.update(record)
-            if stage.evaluate is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
-                final.update(evaluate(step))
-            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
-                checkpoint(step)
-            if preempt.requested():
-                checkpoint(step)
-                bar.close()
-                raise Preempted(f"{stage.name}: pre-empted at step {step}; checkpoint saved, exiting {EXIT_REQUEUE} for requeue")
-    bar.close()
-    checkpoint(step)  # the final state (a no-op if this step is already saved)
+    try:
+        with PreemptionSignal() as preempt:
+            while step < t.steps:
+                start = time.perf_counter()
+                microbatches = [next(stage.train_data) for _ in range(n_micro)]
+                result = stage.role.train_step(microbatches, stage.loss_fn)
+                step += 1
+                dt = time.perf_counter() - start
+                record = {f"train/{k}": v for k, v in result.metrics.items()}
+                record.update({"train/lr": result.lr, "train/grad_norm": result.grad_norm,
+                               "train/step_time_s": dt, "train/tokens_per_s": tokens_per_step / dt})
+                if result.skipped:
+                    record["train/skipped_steps"] = 1
+                tracker.log_metrics(record, step=step)
+                # wall-clock figures stay out of the file, so a resumed run's file equals an uninterrupted one's
+                metrics_file.write({"step": step, **{k: v for k, v in record.items() if "time" not in k and "per_s" not in k}})
+                final.update(record)
+                bar.update(record)
+                if stage.evaluate is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
+                    final.update(evaluate(step))
+                if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+                    checkpoint(step)
+                if saves is not None and saves.get_num_unfinalized_calls():
+                    saves.maybe_finalize_async_calls(blocking=False)  # publish a finished write
+                if preempt.requested():
+                    checkpoint(step)
+                    wait_for_saves()
+                    bar.close()
+                    raise Preempted(f"{stage.name}: pre-empted at step {step}; checkpoint saved, exiting {EXIT_REQUEUE} for requeue")
+        bar.close()
+        checkpoint(step)  # the final state (a no-op if this step is already saved)
+        wait_for_saves()
+    except BaseException as e:
+        if saves is not None and not isinstance(e, Preempted):
+            for call in saves.async_calls:  # no collectives on a failing rank: stop the writers;
+                call.async_caller.close(abort=True)  # their unpublished .tmp- directory is never loaded
+        raise
     return final
 
 
