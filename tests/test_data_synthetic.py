@@ -42,10 +42,33 @@ def test_problems_are_deterministic_and_solutions_check_out():
         assert is_correct(p.solution, p.answer)
         for left, op, right, result in p.steps:
             assert result == eval(f"{left}{op}{right}")  # noqa: S307 - our own digits and + - *
-        rng = random.Random(0)
-        wrong = wrong_solution(p, rng)
-        assert extract_answer(wrong) is not None and not is_correct(wrong, p.answer)
-        assert wrong.count("\n") == p.solution.count("\n")  # same shape: a slip, not garbage
+        for rejects in ("operand", "slip"):
+            wrong = wrong_solution(p, random.Random(0), Difficulty(ops="+-*", max_operand=12, rejects=rejects))
+            assert extract_answer(wrong) is not None and not is_correct(wrong, p.answer)
+            assert wrong.count("\n") == p.solution.count("\n")  # same shape: a mistake, not garbage
+            arithmetic_right = all(eval(line.replace("=", "==")) for line in wrong.split("\n")[:-1])  # noqa: S307
+            if rejects == "slip":
+                assert not arithmetic_right
+            elif not _operand_fallback(p):
+                assert arithmetic_right  # a misread quantity, computed correctly
+
+
+def _operand_fallback(p):
+    """Problems whose every step admits no other operand (e.g. "2-1") slip instead."""
+    return any(op == "-" and left == 1 or op == "*" and left == 0 for left, op, right, _ in p.steps)
+
+
+def test_operand_and_slip_rejects():
+    p = generate_problems(1, seed=3, difficulty=Difficulty(min_ops=1, max_ops=1, ops="+", max_operand=9))[0]
+    (a, _, b, c), = p.steps
+    operand = wrong_solution(p, random.Random(1), Difficulty(rejects="operand"))
+    slip = wrong_solution(p, random.Random(1), Difficulty(rejects="slip"))
+    left, rest = operand.split("\n")[0].split("+")
+    b2, c2 = map(int, rest.split("="))
+    assert int(left) == a and b2 != b and c2 == a + b2  # misread quantity, right arithmetic
+    left, rest = slip.split("\n")[0].split("+")
+    b3, c3 = map(int, rest.split("="))
+    assert (int(left), b3) == (a, b) and c3 != c  # right quantities, wrong sum
 
 
 def test_difficulty_knobs_and_errors():
@@ -55,6 +78,8 @@ def test_difficulty_knobs_and_errors():
         generate_problems(10_000, seed=0, difficulty=Difficulty(min_ops=1, max_ops=1, max_operand=2, ops="+"))
     with pytest.raises(DataError, match="subset of"):
         generate_problems(5, difficulty=Difficulty(ops="/"))
+    with pytest.raises(DataError, match="rejects must be one of operand, slip"):
+        generate_problems(5, difficulty=Difficulty(rejects="typo"))
     with pytest.raises(DataError, match="min_ops <= max_ops"):
         generate_problems(5, difficulty=Difficulty(min_ops=3, max_ops=2))
 
@@ -87,10 +112,27 @@ def test_write_dataset_files_split_and_loaders(tmp_path):
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
-    def boom(problems, seed):
+    def boom(*args):
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(synthetic, "records", boom)
     with pytest.raises(RuntimeError):
         write_synthetic_dataset(str(tmp_path / "syn"), n_train=10, n_test=2)
     assert os.listdir(tmp_path) == []
+
+
+def test_run_dir_task_is_written_once_and_guarded(tmp_path):
+    """Stages of one run dir share its synthetic task; other settings later are a one-line error."""
+    from megarl.config import ConfigError, load_config
+    from megarl.trainers.data_setup import _synthetic_task
+
+    out = str(tmp_path / "data")
+    base = ["data.synthetic.n_train=40", "data.synthetic.n_test=8"]
+    _synthetic_task(load_config("configs/tiny_sft.yaml", base), out)
+    with open(os.path.join(out, "meta.json")) as f:
+        assert json.load(f)["difficulty"]["rejects"] == "operand"
+    before = sorted(os.listdir(out))
+    _synthetic_task(load_config("configs/tiny_rm.yaml", base), out)  # same settings: reused
+    with pytest.raises(ConfigError, match=r"other settings \(synthetic.rejects=operand\)") as e:
+        _synthetic_task(load_config("configs/tiny_rm.yaml", [*base, "data.synthetic.rejects=slip"]), out)
+    assert "\n" not in str(e.value) and sorted(os.listdir(out)) == before

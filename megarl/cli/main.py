@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-train", type=int, default=2000)
     p.add_argument("--n-test", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rejects", choices=["operand", "slip"], default="operand",
+                   help="the preference pairs' kind of mistake (default: operand)")
     p = sub.add_parser("convert", help="Hugging Face <-> megarl weights")
     conv = p.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     c = conv.add_parser("hf-to-megarl", help="an HF Llama/Qwen2/Mistral directory -> a megarl checkpoint")
@@ -104,8 +106,10 @@ def run(args) -> int:
         return 0
     if args.command == "synthetic":
         from megarl.data import write_synthetic_dataset
+        from megarl.data.synthetic import Difficulty
 
-        files = write_synthetic_dataset(args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed)
+        files = write_synthetic_dataset(args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed,
+                                        difficulty=Difficulty(rejects=args.rejects))
         print("\n".join(sorted(files.values())))
         return 0
     if args.command == "convert":

@@ -101,8 +101,22 @@ class TokenizerConfig:
 
 
 @dataclass
+class SyntheticConfig:
+    """The built-in arithmetic task (megarl.data.synthetic), written to <run_dir>/data."""
+
+    n_train: int = 2000
+    n_test: int = 200
+    min_ops: int = 1        # operations per problem
+    max_ops: int = 2
+    max_operand: int = 10
+    ops: str = "+-"         # any of "+-*"
+    max_factor: int = 3
+    rejects: Literal["operand", "slip"] = "operand"  # the preference pairs' kind of mistake
+
+
+@dataclass
 class DataConfig:
-    train_path: Optional[str] = None  # None: the built-in synthetic task
+    train_path: Optional[str] = None  # None: the built-in synthetic task (data.synthetic)
     eval_path: Optional[str] = None
     seq_length: int = 128
     micro_batch_size: int = 4
@@ -112,6 +126,7 @@ class DataConfig:
     bad_records: Literal["fail", "skip"] = "fail"
     num_workers: int = 0
     seed: Optional[int] = None  # None: train.seed
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
 @dataclass

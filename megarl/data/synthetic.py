@@ -7,8 +7,13 @@ Solutions end with `#### n` like GSM8K, so answers.extract_answer / is_correct s
 Difficulty knobs: number of operations, operand range, which operations, largest multiplier.
 At the defaults a 2-layer, hidden-64 GPT on the byte tokenizer (seq 128, batch 32, one CPU thread)
 reached ~70% greedy test accuracy after 2 minutes of SFT (~20% with max_operand=20).
-Preference pairs contrast the worked solution with a plausible wrong one: one step has an
-arithmetic slip and later steps carry the wrong value forward.
+Preference pairs contrast the worked solution with a plausible wrong one (`Difficulty.rejects`):
+  "operand": a quantity misread from the question (arithmetic right, answer wrong); the default;
+  "slip":    one step's result is off by 1-2 and later steps carry it forward.
+Either way the error reaches the final answer and the solution keeps its shape. Slips are the
+harder pairs for a reward model, which has to redo the arithmetic: the quickstart's 4-layer,
+hidden-128 RM stays at 0.55-0.70 held-out pair accuracy on them, against 0.75-0.83 on operand
+pairs (docs/benchmarks.md, "Reward model on the synthetic pairs").
 """
 import json
 import os
@@ -26,6 +31,7 @@ PHRASES = {
     "-": ("gives away {n}", "loses {n}", "sells {n}"),
     "*": ("now has {n} times as many",),
 }
+REJECTS = ("operand", "slip")
 FILES = ("train_sft.jsonl", "test_sft.jsonl", "train_prefs.jsonl", "test_prefs.jsonl",
          "train_prompts.jsonl", "test_prompts.jsonl")
 
@@ -37,6 +43,7 @@ class Difficulty:
     max_operand: int = 10   # start value and +/- operands are drawn from [1, max_operand]
     ops: str = "+-"         # which operations may appear: any of "+-*"
     max_factor: int = 3     # multipliers are drawn from [2, max_factor]
+    rejects: str = "operand"  # how a preference pair's rejected solution goes wrong: operand | slip
 
     def check(self) -> "Difficulty":
         if not 1 <= self.min_ops <= self.max_ops:
@@ -45,6 +52,8 @@ class Difficulty:
             raise DataError("synthetic task needs max_operand >= 1 and max_factor >= 2")
         if not self.ops or set(self.ops) - set(PHRASES):
             raise DataError(f"synthetic task ops must be a non-empty subset of '+-*', got {self.ops!r}")
+        if self.rejects not in REJECTS:
+            raise DataError(f"synthetic task rejects must be one of {', '.join(REJECTS)}, got {self.rejects!r}")
         return self
 
 
@@ -90,18 +99,27 @@ def make_problem(rng: random.Random, d: Difficulty) -> Problem:
     return Problem(" ".join(sentences), tuple(steps), value)
 
 
-def wrong_solution(problem: Problem, rng: random.Random) -> str:
-    """The worked solution with one arithmetic slip, carried through the later steps."""
+def wrong_solution(problem: Problem, rng: random.Random, d: Difficulty = Difficulty()) -> str:
+    """The worked solution with one plausible mistake (d.rejects), carried through later steps."""
     k = rng.randrange(len(problem.steps))
-    steps = list(problem.steps[:k])
     a, op, b, c = problem.steps[k]
-    slip = rng.choice([d for d in (-2, -1, 1, 2) if c + d >= 0])
-    steps.append((a, op, b, c + slip))
-    value = c + slip
+    if d.rejects == "operand":  # the operand misread by 1-2, within the task's own ranges
+        lo, hi = (2, d.max_factor) if op == "*" else (1, a if op == "-" else d.max_operand)
+        misread = [b + e for e in (-2, -1, 1, 2) if lo <= b + e <= hi]
+        if misread and not (op == "*" and a == 0):
+            b = rng.choice(misread)
+            c = _apply(a, op, b)
+        else:  # "2-1", "0*3": no other quantity changes the result, so this step slips instead
+            c += rng.choice([e for e in (-2, -1, 1, 2) if c + e >= 0])
+    else:
+        c += rng.choice([e for e in (-2, -1, 1, 2) if c + e >= 0])
+    steps = list(problem.steps[:k]) + [(a, op, b, c)]
+    value = c
     for _, op, b, _ in problem.steps[k + 1:]:
         steps.append((value, op, b, _apply(value, op, b)))
         value = steps[-1][3]
-    assert value != problem.answer  # a slip of +-1/2 never cancels under +, - and * by >= 2
+    # Off by 1-2 never cancels under +, - and * by >= 2; a misread operand changes the result too.
+    assert value != problem.answer
     return format_solution(steps)
 
 
@@ -122,13 +140,13 @@ def generate_problems(n: int, seed: int = 0, difficulty: Difficulty = Difficulty
                     f"raise max_operand or max_ops")
 
 
-def records(problems: list[Problem], seed: int) -> dict[str, list[dict]]:
+def records(problems: list[Problem], seed: int, d: Difficulty = Difficulty()) -> dict[str, list[dict]]:
     """The three views of a split: SFT conversations, preference pairs, RL prompts with answers."""
     rng = random.Random(seed)
     return {
         "sft": [{"messages": [{"role": "user", "content": p.question},
                               {"role": "assistant", "content": p.solution}]} for p in problems],
-        "prefs": [{"prompt": p.question, "chosen": p.solution, "rejected": wrong_solution(p, rng)}
+        "prefs": [{"prompt": p.question, "chosen": p.solution, "rejected": wrong_solution(p, rng, d)}
                   for p in problems],
         "prompts": [{"prompt": p.question, "answer": str(p.answer)} for p in problems],
     }
@@ -144,7 +162,7 @@ def write_synthetic_dataset(out_dir: str, n_train: int = 2000, n_test: int = 200
     splits = {"train": problems[n_test:], "test": problems[:n_test]}
     with atomic_directory(out_dir, last=("meta.json",)) as tmp:
         for split, probs in splits.items():
-            for view, rows in records(probs, seed + (split == "test")).items():
+            for view, rows in records(probs, seed + (split == "test"), difficulty).items():
                 with open(os.path.join(tmp, f"{split}_{view}.jsonl"), "w") as f:
                     f.writelines(json.dumps(r) + "\n" for r in rows)
         meta = {"task": "synthetic_arithmetic", "seed": seed, "n_train": n_train, "n_test": n_test,

@@ -35,14 +35,40 @@ def stage_paths(cfg: Config, stage: str) -> dict:
             if path and not os.path.exists(path):
                 raise ConfigError(f"data.{key}: {path} does not exist")
         return {"train": d.train_path, "eval": d.eval_path}
-    from megarl.data import write_synthetic_dataset
-
     out = os.path.join(os.path.abspath(cfg.train.run_dir), "data")
-    if is_rank0() and not os.path.exists(os.path.join(out, "meta.json")):
-        write_synthetic_dataset(out, seed=d.seed if d.seed is not None else cfg.train.seed)
+    if is_rank0():
+        _synthetic_task(cfg, out)
     barrier()
     train, test = SYNTHETIC[stage]
     return {"train": os.path.join(out, train), "eval": os.path.join(out, test)}
+
+
+def _synthetic_task(cfg: Config, out: str) -> None:
+    """Write the synthetic task once per run dir; a later stage with other settings is an error,
+    since its data would no longer match the earlier stages'."""
+    import dataclasses
+    import json
+
+    from megarl.data import write_synthetic_dataset
+    from megarl.data.synthetic import Difficulty
+
+    d, syn = cfg.data, cfg.data.synthetic
+    seed = d.seed if d.seed is not None else cfg.train.seed
+    difficulty = Difficulty(**{k: v for k, v in dataclasses.asdict(syn).items() if k not in ("n_train", "n_test")})
+    meta_path = os.path.join(out, "meta.json")
+    if not os.path.exists(meta_path):
+        write_synthetic_dataset(out, n_train=syn.n_train, n_test=syn.n_test, seed=seed, difficulty=difficulty)
+        return
+    with open(meta_path) as f:
+        meta = json.load(f)
+    want = {"seed": seed, "n_train": syn.n_train, "n_test": syn.n_test, "difficulty": dataclasses.asdict(difficulty)}
+    have = {k: meta.get(k) for k in want}
+    have["difficulty"] = {"rejects": "slip", **(have["difficulty"] or {})}  # written before rejects existed
+    if have != want:
+        diff = [f"{k}={have[k]}" for k in want if have[k] != want[k] and k != "difficulty"]
+        diff += [f"synthetic.{k}={v}" for k, v in have["difficulty"].items() if want["difficulty"].get(k) != v]
+        raise ConfigError(f"data.synthetic: {out} was generated with other settings ({', '.join(diff)}); "
+                          "use those, a new train.run_dir, or delete that directory")
 
 
 def dataset(cfg: Config, path: str, kind: str, tok, packing: bool | None = None):
