@@ -36,16 +36,15 @@ def stage_paths(cfg: Config, stage: str) -> dict:
                 raise ConfigError(f"data.{key}: {path} does not exist")
         return {"train": d.train_path, "eval": d.eval_path}
     out = os.path.join(os.path.abspath(cfg.train.run_dir), "data")
-    if is_rank0():
-        _synthetic_task(cfg, out)
-    barrier()
+    _synthetic_task(cfg, out)
     train, test = SYNTHETIC[stage]
     return {"train": os.path.join(out, train), "eval": os.path.join(out, test)}
 
 
 def _synthetic_task(cfg: Config, out: str) -> None:
-    """Write the synthetic task once per run dir; a later stage with other settings is an error,
-    since its data would no longer match the earlier stages'."""
+    """Write the synthetic task once per run dir (rank 0); a later stage with other settings is
+    an error, since its data would no longer match the earlier stages'. Collective: every rank
+    checks the settings and the written meta.json, so an error stops all ranks alike."""
     import dataclasses
     import json
 
@@ -55,9 +54,14 @@ def _synthetic_task(cfg: Config, out: str) -> None:
     d, syn = cfg.data, cfg.data.synthetic
     seed = d.seed if d.seed is not None else cfg.train.seed
     difficulty = Difficulty(**{k: v for k, v in dataclasses.asdict(syn).items() if k not in ("n_train", "n_test")})
+    difficulty.check()
     meta_path = os.path.join(out, "meta.json")
-    if not os.path.exists(meta_path):
-        write_synthetic_dataset(out, n_train=syn.n_train, n_test=syn.n_test, seed=seed, difficulty=difficulty)
+    written = os.path.exists(meta_path)
+    barrier()  # every rank has looked before rank 0 may write
+    if not written:
+        if is_rank0():
+            write_synthetic_dataset(out, n_train=syn.n_train, n_test=syn.n_test, seed=seed, difficulty=difficulty)
+        barrier()
         return
     with open(meta_path) as f:
         meta = json.load(f)
