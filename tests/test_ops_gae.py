@@ -41,6 +41,15 @@ def assert_close(out, ref, dtype):
     torch.testing.assert_close(out.cpu().double(), ref, **tol)
 
 
+def check_gae(r, v, m, gamma, lam, dtype=torch.float32):
+    """megarl's gae against the float64 loop on the same inputs; returns megarl's (adv, ret)."""
+    adv, ret = gae(r, v, m, gamma, lam)
+    radv, rret = ref_gae(r, v, m, gamma, lam)
+    assert_close(adv, radv, dtype)
+    assert_close(ret, rret, dtype)
+    return adv, ret
+
+
 def inputs(B, T, seed, dtype=torch.float32, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     r = torch.randn(B, T, generator=g, dtype=torch.float64).to(dtype).to(device)
@@ -63,10 +72,7 @@ def right_padded(B, T, g):
 def test_right_padded_matches_loop(device, dtype, gamma, lam, B, T):
     r, v, g = inputs(B, T, seed=B * T, dtype=dtype, device=device)
     m = right_padded(B, T, g).to(device)
-    adv, ret = gae(r, v, m, gamma, lam)
-    radv, rret = ref_gae(r, v, m, gamma, lam)
-    assert_close(adv, radv, dtype)
-    assert_close(ret, rret, dtype)
+    check_gae(r, v, m, gamma, lam, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -83,10 +89,7 @@ def test_general_masks_match_loop(device, kind):
     else:
         m = (torch.rand(B, T, generator=g) < 0.8).float()
     m = m.to(device)
-    adv, ret = gae(r, v, m, 0.97, 0.9)
-    radv, rret = ref_gae(r, v, m, 0.97, 0.9)
-    assert_close(adv, radv, torch.float32)
-    assert_close(ret, rret, torch.float32)
+    check_gae(r, v, m, 0.97, 0.9)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -109,10 +112,7 @@ def test_many_row_blocks_and_chunks(monkeypatch):
     r, v, g = inputs(B, T, seed=5)
     m = right_padded(B, T, g)
     m[4, 50:60] = False  # one holed row inside a block
-    adv, ret = gae(r, v, m, 0.99, 0.95)
-    radv, rret = ref_gae(r, v, m, 0.99, 0.95)
-    assert_close(adv, radv, torch.float32)
-    assert_close(ret, rret, torch.float32)
+    check_gae(r, v, m, 0.99, 0.95)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -120,10 +120,7 @@ def test_low_precision_inputs_give_fp32(device):
     B, T = 3, 40
     r, v, g = inputs(B, T, seed=6, dtype=torch.bfloat16, device=device)
     m = right_padded(B, T, g).to(device)
-    adv, ret = gae(r, v, m, 0.99, 0.95)
-    radv, rret = ref_gae(r, v, m, 0.99, 0.95)  # reference on the same bf16-rounded inputs
-    assert_close(adv, radv, torch.float32)
-    assert_close(ret, rret, torch.float32)
+    adv, _ = check_gae(r, v, m, 0.99, 0.95)  # reference on the same bf16-rounded inputs
     assert not adv.requires_grad
 
 

@@ -47,6 +47,14 @@ def reference(x, t, temperature=1.0, ignore_index=-100):
     return x64, lp, ent
 
 
+def check_values(x, t, temperature=1.0):
+    """Log-probs and entropy against the float64 reference."""
+    lp, ent = logprobs_and_entropy(x, t, temperature=temperature)
+    _, rlp, rent = reference(x, t, temperature)
+    torch.testing.assert_close(lp.double(), rlp, **VAL_TOL)
+    torch.testing.assert_close(ent.double(), rent, **VAL_TOL)
+
+
 def check_grads(x, t, temperature=1.0, ignore_index=-100, seed=1, **kw):
     """Backprop a random mix of both outputs through the op and the reference; compare."""
     x = x.detach().requires_grad_()
@@ -137,10 +145,7 @@ def test_strided_logits_are_not_copied_and_match(device):
     sliced = x[..., :1000]                                     # row stride 1200 > 1000
     rows, _, _ = lp_mod._as_rows(sliced, t)
     assert rows.data_ptr() == base.data_ptr()
-    lp, ent = logprobs_and_entropy(sliced, t, temperature=0.9)
-    _, rlp, rent = reference(sliced, t, 0.9)
-    torch.testing.assert_close(lp.double(), rlp, **VAL_TOL)
-    torch.testing.assert_close(ent.double(), rent, **VAL_TOL)
+    check_values(sliced, t, 0.9)
     check_grads(sliced, t, 0.9)
 
 
@@ -149,10 +154,7 @@ def test_many_row_chunks(device, monkeypatch):
     """Force the torch path's row chunking (chunk sizes that do not divide the rows)."""
     monkeypatch.setattr(lp_mod, "_CHUNK_ELEMS", 3 * 1001 + 5)  # 3 rows per chunk
     x, t = make((40, 7, 1001), torch.float16, device, seed=8, ignore_frac=0.1)  # 280 rows
-    lp, ent = logprobs_and_entropy(x, t, temperature=0.8)
-    _, rlp, rent = reference(x, t, 0.8)
-    torch.testing.assert_close(lp.double(), rlp, **VAL_TOL)
-    torch.testing.assert_close(ent.double(), rent, **VAL_TOL)
+    check_values(x, t, 0.8)
     check_grads(x, t, 0.8)
 
 
