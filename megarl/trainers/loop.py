@@ -154,20 +154,19 @@ def run_stage(cfg: Config, stage: Stage, stage_dir: str, tracker) -> dict:
 
         saves = AsyncCallsQueue()
 
+    def wait_for_saves() -> None:
+        if saves is not None:
+            saves.maybe_finalize_async_calls(blocking=True)
+
     def checkpoint(at: int) -> None:
         nonlocal last_saved
         if last_saved == at:
             return
-        if saves is not None:  # one write in flight at a time: the previous one is published first
-            saves.maybe_finalize_async_calls(blocking=True)
+        wait_for_saves()  # one write in flight at a time: the previous one is published first
         save_checkpoint(ckpt_root, at, roles, {"data": stage.train_data.state_dict(), "extra": stage.state},
                         keep_last=cfg.checkpoint.keep_last, async_queue=saves,
                         on_durable=lambda path: tracker.log_checkpoint(path, at))
         last_saved = at
-
-    def wait_for_saves() -> None:
-        if saves is not None:
-            saves.maybe_finalize_async_calls(blocking=True)
 
     def evaluate(at: int) -> dict:
         metrics, rows = stage.evaluate()
