@@ -92,6 +92,41 @@ def test_general_masks_match_loop(device, kind):
     check_gae(r, v, m, 0.97, 0.9)
 
 
+@pytest.mark.parametrize("path", ["pass_through", "compaction"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gamma,lam", GAMMA_LAM + [(0.6, 0.4)])
+@pytest.mark.parametrize("B,T", [(6, 77), (3, 2050)])
+def test_holed_masks_on_both_cpu_paths(monkeypatch, path, dtype, gamma, lam, B, T):
+    """Holed rows take the pass-through scan (three levels of chunks at T=2050) when
+    gamma*lam >= _MIN_TRANSPARENT_G and are compacted otherwise; force each path."""
+    monkeypatch.setattr(gae_mod, "_MIN_TRANSPARENT_G", 1e-30 if path == "pass_through" else 2.0)
+    if path == "pass_through" and gamma * lam == 0.0:
+        pytest.skip("g = 0 has no pass-through scan; it is always compacted")
+    r, v, g = inputs(B, T, seed=T + B, dtype=dtype)
+    m = right_padded(B, T, g) & (torch.rand(B, T, generator=g) < 0.85)
+    m[0, T // 3: T // 2] = False  # one long hole, like a tool observation
+    check_gae(r, v, m, gamma, lam, dtype)
+
+
+@pytest.mark.parametrize("lo,dtype", [(0.3, torch.float64), (0.3, torch.float32), (0.0, torch.float32)])
+def test_suffix_scan_with_per_token_decays(lo, dtype):
+    """The pass-through scan's engine, y_t = x_t + d_t y_{t+1}, against a float64 loop; decays
+    down to 0 make products underflow within a chunk (smaller chunks, clamped P)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 1100, generator=g, dtype=torch.float64)
+    d = lo + (1 - lo) * torch.rand(5, 1100, generator=g, dtype=torch.float64)
+    if lo == 0.0:
+        d[:, ::7] = 0.0
+    ref, acc = torch.zeros_like(x), torch.zeros(5, dtype=torch.float64)
+    for t in reversed(range(x.shape[1])):
+        acc = x[:, t] + d[:, t] * acc
+        ref[:, t] = acc
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    for L in (4, 32):
+        y = gae_mod._suffix_scan(x.to(dtype), d.to(dtype), L, lo)
+        torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_nothing_leaks_past_the_mask(device):
     """Garbage rewards/values on masked tokens change nothing; masked outputs are 0."""

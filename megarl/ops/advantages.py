@@ -8,15 +8,20 @@ response, e.g. a tool observation, is skipped rather than ending it).
 
 On CUDA tensors the chunked-scan kernel of csrc/gae.cu runs; elsewhere the torch path below
 computes A as a discounted reverse cumulative sum of delta with two small matmuls per block of
-rows (within chunks of _CHUNK tokens, then across chunk heads), which is exact up to rounding;
-blocks whose masks have holes are first compacted so that their valid tokens come first.
+rows (within chunks of _CHUNK tokens, then across chunk heads), which is exact up to rounding.
+Blocks whose masks have holes run a scan whose decay is g = gamma*lam on valid tokens and 1 on
+masked ones, so holes pass the running sums through untouched (no compaction); for g below
+_MIN_TRANSPARENT_G, where that scan's scaling would lose precision, they are compacted instead.
 """
+import math
+
 import torch
 
 from . import _ext
 
 _CHUNK = 32            # scan chunk length of the torch path
 _BLOCK_ELEMS = 1 << 17  # tokens per row block of the torch path (512 KiB fp32 temporaries)
+_MIN_TRANSPARENT_G = 0.25  # holed rows: smallest gamma*lam for the pass-through scan (else compact)
 
 
 def gae(rewards, values, mask, gamma, lam):
@@ -112,7 +117,9 @@ def _gae_torch(r, v, m, gamma, lam):
             holed = bool((torch.mv(mf, ramp) != cnt * T - cnt * (cnt - 1) * 0.5).any())
         else:
             holed = bool((mb[:, 1:] > mb[:, :-1]).any())         # a valid token after a masked one
-        if holed:
+        if holed and gamma * lam >= _MIN_TRANSPARENT_G:
+            _transparent_block(r[i:j], v[i:j], mf, gamma, gamma * lam, L, adv[i:j], ret[i:j])
+        elif holed:
             _holed_block(r[i:j], v[i:j], mb, gamma, mats, L, adv[i:j], ret[i:j])
         else:
             _prefix_block(r[i:j], v[i:j], mf, gamma, mats, L, adv[i:j], ret[i:j])
@@ -138,6 +145,54 @@ def _prefix_block(rb, vb, mf, gamma, mats, L, out_adv, out_ret):
         local.addcmul_(torch.mm(local[..., 0], K2)[..., None], tail)
         out_adv.copy_(local.view(b, C * L)[:, :T])
     torch.sub(out_adv, nvm, out=out_ret)                        # A + v
+
+
+def _transparent_block(rb, vb, mf, gamma, g, L, out_adv, out_ret):
+    """Rows with holes, without moving tokens: A is the scan y_t = z_t + d_t y_{t+1} with
+    d = g on valid tokens and 1 on masked ones (a hole passes y through), minus a correction.
+
+    With k(t, s) the number of valid tokens in [t, s), A_t = sum_{valid s >= t} g^k(t,s) delta_s
+    and delta_s's gamma * V_next term is, summed this way, (gamma/g) sum_{valid s > t} g^k(t,s) v_s.
+    So A_t = y_t - (gamma/g) v_t on valid t, with z = m (r + (gamma/g - 1) v). The subtraction
+    costs ~gamma/g ulps of v, hence g >= _MIN_TRANSPARENT_G here."""
+    k = gamma / g
+    z = torch.add(rb, vb, alpha=k - 1.0).mul_(mf)               # [b, T] m (r + (gamma/g - 1) v)
+    d = torch.mul(mf, g - 1.0).add_(1.0)                       # [b, T] g on valid, 1 on masked
+    y = _suffix_scan(z, d, L, g)
+    torch.addcmul(y, vb, mf, value=-k, out=out_adv).mul_(mf)    # zero on masked tokens
+    torch.addcmul(out_adv, vb, mf, out=out_ret)                 # A + v on valid tokens
+
+
+def _suffix_scan(x, d, L, lo):
+    """y_t = x_t + d_t y_{t+1} along the last dim of [n, T] (y_T = 0), for decays d in [lo, 1].
+
+    Within chunks of Lc <= L tokens, with P_t the product of d over the chunk's tokens before t,
+    y_t = (1/P_t) sum_{s >= t} P_s x_s: one matmul with a triangle of ones. Lc keeps P above
+    the dtype's underflow (lo^(Lc-1) >= _tiny; at Lc = 2 the one P that could underflow is
+    clamped, which only rounds a ratio P_1/P_0 that is below _tiny anyway). The chunk heads
+    then take the same scan, recursively, with each chunk's total decay (>= lo^Lc)."""
+    n, T = x.shape
+    tiny = torch.finfo(x.dtype).tiny * 1e8
+    Lc = L if lo ** (L - 1) >= tiny else max(2, 1 + int(math.log(tiny) / math.log(lo)) if lo > 0 else 2)
+    C = -(-T // Lc)
+    W = C * Lc
+    if W != T:  # pad with x = 0, d = 1: nothing enters, nothing decays
+        x = torch.nn.functional.pad(x, (0, W - T))
+        d = torch.nn.functional.pad(d, (0, W - T), value=1.0)
+    dc = d.reshape(n * C, Lc)
+    P = torch.empty_like(dc)                                    # [nC, Lc] exclusive products
+    P[:, 0] = 1.0
+    torch.cumprod(dc[:, :-1], 1, out=P[:, 1:])
+    if lo ** (Lc - 1) < tiny:
+        P.clamp_(min=tiny)
+    ones = torch.ones(Lc, Lc, dtype=x.dtype, device=x.device).tril_()  # [s, t]: 1 where s >= t
+    y = torch.mm(x.reshape(n * C, Lc).mul(P), ones).view(n, C, Lc)
+    if C > 1:
+        D = (P[:, -1] * dc[:, -1]).view(n, C)                   # [n, C] decay across each chunk
+        H = _suffix_scan(y[..., 0].contiguous(), D, L, lo ** Lc)  # y at each chunk's first token
+        y[:, :-1].add_((D[:, :-1] * H[:, 1:])[..., None])       # reaches t scaled by 1 / P_t
+    y = y.view(n * C, Lc).div_(P).view(n, W)
+    return y if W == T else y[:, :T]
 
 
 def _holed_block(rb, vb, mb, gamma, mats, L, out_adv, out_ret):
