@@ -5,7 +5,7 @@
 The loop is the one RL frameworks ship (verl's compute_gae_advantage_return: one vectorised
 step per token over the batch, masked tokens carried through). Both run on the same fp32
 inputs: right-padded responses of random lengths (megarl's prefix path) and responses with
-~10% masked holes (megarl's compaction path). Outputs are checked to agree on valid tokens.
+~10% masked holes (megarl's pass-through scan). Outputs are checked to agree on valid tokens.
 Wall time is the best of --reps runs (others share this machine); CPU time (user+sys of this
 process, all threads) is reported too because it is less sensitive to that sharing.
 Prints a markdown table.
