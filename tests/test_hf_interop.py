@@ -8,6 +8,7 @@ fail with one line naming the culprit.
 import json
 import os
 import shutil
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -98,9 +99,11 @@ def _megarl_body(rank, world_size, tp, pp, dirs):
     mbs = [{"tokens": tokens[i:i + 1], "position_ids": torch.arange(SEQ)[None]} for i in range(BATCH)]
     out = {}
     for name, path in dirs.items():
-        mc, canonical = load_hf_checkpoint(path)
+        mc, lazy = load_hf_checkpoint(path, lazy=True)  # as model.init_from loads it
+        reads = _RecordingReads(lazy)
         role = Role(name, mc, ParallelConfig(tp=tp, pp=pp), head="lm", seed=99)  # random init, then overwritten
-        load_full_state_dict(role.model, canonical, mc.vocab_size)
+        load_full_state_dict(role.model, reads, mc.vocab_size)
+        canonical = dict(lazy) if rank == 0 else None
         shards = []
 
         def capture(batch, logits):  # logits: this TP rank's vocab shard [1, s, V_pad/tp]
@@ -115,9 +118,32 @@ def _megarl_body(rank, world_size, tp, pp, dirs):
             dist.all_gather(parts, local, group=ps.get_tensor_model_parallel_group())
             logits = torch.cat(parts, -1)[..., :mc.vocab_size] if ps.get_tensor_model_parallel_rank() == 0 else None
         out[name] = {"logits": logits, "gathered": gather_full_state_dict(role.model, mc.vocab_size),
-                     "loaded": canonical if rank == 0 else None}
+                     "loaded": canonical, "read": reads.names}
     teardown()
     return out
+
+
+class _RecordingReads(Mapping):
+    """A lazy canonical mapping that records which tensors a rank looked up."""
+
+    def __init__(self, inner):
+        self.inner, self.names = inner, []
+
+    def __getitem__(self, name):
+        self.names.append(name)
+        return self.inner[name]
+
+    def __contains__(self, name):
+        return name in self.inner
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def shape_of(self, name):
+        return self.inner.shape_of(name)
 
 
 _layout_cache = {}
@@ -134,6 +160,7 @@ def _layout(hf_models, tp, pp):
         for name in dirs:
             merged[name] = {k: next(r[name][k] for r in results if r[name][k] is not None)
                             for k in ("logits", "gathered", "loaded")}
+            merged[name]["read"] = [r[name]["read"] for r in results]  # per rank
         _layout_cache[(tp, pp)] = merged
     return _layout_cache[(tp, pp)]
 
@@ -157,6 +184,13 @@ def test_import_matches_transformers(hf_models, tp, pp):
         assert r["gathered"].keys() == r["loaded"].keys()
         for k, v in r["loaded"].items():
             assert torch.equal(r["gathered"][k], v.float()), f"{name}: {k} changed through tp={tp} pp={pp}"
+        # each rank read every tensor it needs once, and nothing of the other pipeline stages
+        layers = {int(n.split(".")[2]) for n in r["loaded"] if n.startswith("decoder.layers.")}
+        for rank, read in enumerate(r["read"]):
+            assert len(read) == len(set(read)), f"rank {rank} read a tensor twice"
+            stage = {int(n.split(".")[2]) for n in read if n.startswith("decoder.layers.")}
+            assert len(stage) == len(layers) // pp, f"rank {rank} read layers {sorted(stage)} at pp={pp}"
+        assert set().union(*map(set, r["read"])) == set(r["loaded"])
 
 
 @pytest.mark.slow

@@ -26,8 +26,9 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -309,16 +310,23 @@ def _split_qkv(qkv, d: _Dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def hf_to_canonical(mc: ModelConfig, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF-named tensors (exactly `hf_shapes(mc)`) -> canonical tensors; dtypes are kept."""
+    return {name: make() for name, make in _canonical_recipes(mc, hf).items()}
+
+
+def _canonical_recipes(mc: ModelConfig, hf: Mapping[str, torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
+    """Canonical name -> a function building that tensor from the HF tensors it needs."""
     d = _Dims.of(mc)
-    out = {_GLOBAL_RENAMES[n]: hf[n] for n in _GLOBAL_RENAMES if n in hf and not (d.tied and n == "lm_head.weight")}
+    out = {c: partial(hf.__getitem__, n) for n, c in _GLOBAL_RENAMES.items()
+           if n in hf and not (d.tied and n == "lm_head.weight")}
     for i in range(d.layers):
         p, c = f"model.layers.{i}.", f"decoder.layers.{i}."
         for src, dst in _RENAMES.items():
-            out[c + dst] = hf[p + src]
+            out[c + dst] = partial(hf.__getitem__, p + src)
         for kind in ("weight", "bias") if d.bias else ("weight",):
-            out[c + f"self_attention.linear_qkv.{kind}"] = _fuse_qkv(
-                *(hf[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"), d)
-        out[c + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], 0)
+            out[c + f"self_attention.linear_qkv.{kind}"] = partial(
+                lambda p, kind: _fuse_qkv(*(hf[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"), d), p, kind)
+        out[c + "mlp.linear_fc1.weight"] = partial(
+            lambda p: torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], 0), p)
     return out
 
 
@@ -398,12 +406,15 @@ def _header(path: str) -> dict[str, tuple]:
         raise ValueError(f"{path}: unreadable safetensors file ({e})") from None
 
 
-def load_hf_checkpoint(hf_dir: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_hf_checkpoint(hf_dir: str, *, lazy: bool = False) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
     """Read a Llama/Qwen2/Mistral safetensors checkpoint as (ModelConfig, canonical tensors).
 
     Everything is validated before tensor data is read, and all problems are reported in one
     ValueError, so a bad checkpoint never half-loads. Tensors keep the file's dtype (the model
-    casts on load); hold the whole model in host memory.
+    casts on load). lazy=False returns a dict: the whole model in host memory. lazy=True
+    returns a `LazyCanonical` that reads (and fuses) a tensor only when it is looked up, so a
+    rank loading its shards (`layout.load_full_state_dict`) touches only its pipeline stage's
+    layers and holds one full tensor at a time.
     """
     from safetensors import safe_open
 
@@ -420,11 +431,16 @@ def load_hf_checkpoint(hf_dir: str) -> tuple[ModelConfig, dict[str, torch.Tensor
     if problems:
         raise ValueError(f"{hf_dir}: cannot import: " + "; ".join(problems))
     with contextlib.ExitStack() as stack:  # tensors are read one at a time, as the mapping needs them
-        handles = {p: stack.enter_context(safe_open(p, framework="pt")) for p in sorted({p for p, _ in found.values()})}
-        hf = _LazyTensors({n: handles[p] for n, (p, _) in found.items()})
+        opened = {p: safe_open(p, framework="pt") for p in sorted({p for p, _ in found.values()})}
+        if not lazy:
+            for f in opened.values():
+                stack.enter_context(f)
+        hf = _LazyTensors({n: opened[p] for n, (p, _) in found.items()})
         if redundant_head and not torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"]):
             raise ValueError(f"{hf_dir}: lm_head.weight differs from model.embed_tokens.weight "
                              "but config.json sets tie_word_embeddings=true")
+        if lazy:
+            return mc, LazyCanonical(_canonical_recipes(mc, hf), canonical_shapes(mc))
         return mc, hf_to_canonical(mc, hf)
 
 
@@ -438,11 +454,37 @@ class _LazyTensors(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._handles[name].get_tensor(name)
 
+    def __contains__(self, name) -> bool:  # without reading the tensor, unlike Mapping's default
+        return name in self._handles
+
     def __iter__(self):
         return iter(self._handles)
 
     def __len__(self) -> int:
         return len(self._handles)
+
+
+class LazyCanonical(Mapping):
+    """Canonical name -> tensor, built from the open HF files on each lookup (not cached).
+    `shape_of` answers from the config without reading, for load_full_state_dict's checks."""
+
+    def __init__(self, recipes: dict[str, Callable[[], torch.Tensor]], shapes: dict[str, tuple]):
+        self._recipes, self._shapes = recipes, shapes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._recipes[name]()
+
+    def __contains__(self, name) -> bool:
+        return name in self._recipes
+
+    def __iter__(self):
+        return iter(self._recipes)
+
+    def __len__(self) -> int:
+        return len(self._recipes)
+
+    def shape_of(self, name: str) -> tuple:
+        return self._shapes[name]
 
 
 # --------------------------------------------------------------------------- export
@@ -531,6 +573,6 @@ def _write_json(path: str, obj) -> None:
 
 
 __all__ = [
-    "ARCHITECTURES", "canonical_shapes", "canonical_to_hf", "hf_config_to_model_config", "hf_shapes",
-    "hf_to_canonical", "load_hf_checkpoint", "model_config_to_hf_config", "save_hf_checkpoint",
+    "ARCHITECTURES", "LazyCanonical", "canonical_shapes", "canonical_to_hf", "hf_config_to_model_config",
+    "hf_shapes", "hf_to_canonical", "load_hf_checkpoint", "model_config_to_hf_config", "save_hf_checkpoint",
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -131,9 +132,13 @@ def init_parameters(model, *, seed: int, std: float, num_layers: int, vocab_size
 
 
 @torch.no_grad()
-def load_full_state_dict(model, full: dict[str, torch.Tensor], vocab_size: int, skip_prefixes: tuple = ()) -> None:
+def load_full_state_dict(model, full: Mapping[str, torch.Tensor], vocab_size: int, skip_prefixes: tuple = ()) -> None:
     """Copy canonical tensors into this rank's shards; every local parameter must be present,
-    except those under `skip_prefixes` (e.g. a reward model's fresh "output_layer." head)."""
+    except those under `skip_prefixes` (e.g. a reward model's fresh "output_layer." head).
+
+    Only this rank's parameters are looked up, each once when copied, so a lazy mapping
+    (checkpoint.hf.LazyCanonical) reads only this pipeline stage's tensors; its `shape_of`
+    serves the shape checks, which all pass before anything is copied."""
     model = unwrap(model)
     tp_rank, tp = _tp()
     params = [(n, p) for n, p in model.named_parameters() if not n.startswith(tuple(skip_prefixes))]
@@ -145,8 +150,9 @@ def load_full_state_dict(model, full: dict[str, torch.Tensor], vocab_size: int, 
             missing.append(canon)
             continue
         want = full_shape(p.shape, kind, dim, tp, vocab_size)
-        if tuple(full[canon].shape) != want:
-            wrong.append(f"{canon}: expected {list(want)}, got {list(full[canon].shape)}")
+        got = tuple(full.shape_of(canon) if hasattr(full, "shape_of") else full[canon].shape)
+        if got != want:
+            wrong.append(f"{canon}: expected {list(want)}, got {list(got)}")
     if missing or wrong:
         raise ValueError("cannot load weights: " + "; ".join(
             ([f"missing {', '.join(missing)}"] if missing else []) + wrong))

@@ -158,7 +158,7 @@ def init_weights(cfg: Config, role, model_cfg=None, skip_head: bool = False) -> 
         from megarl.models.layout import load_full_state_dict
 
         try:
-            _, weights = load_hf_checkpoint(src)
+            _, weights = load_hf_checkpoint(src, lazy=True)  # each rank reads only its stage's tensors
         except ValueError as e:
             raise ConfigError(f"model.init_from: {e}") from e
         load_full_state_dict(role.model, weights, (model_cfg or cfg.model).vocab_size,
