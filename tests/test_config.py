@@ -136,6 +136,7 @@ RULES = [
     (["model.num_kv_heads=1", "parallel.tp=2"], 2, "model.num_kv_heads (1) must be divisible by parallel.tp (2)"),
     (["model.num_kv_heads=3"], 1, "model.num_attention_heads (4) must be divisible by model.num_kv_heads (3)"),
     (["model.hidden_size=66"], 1, "model.hidden_size (66) must be divisible by model.num_attention_heads (4)"),
+    (["model.head_dim=0"], 1, "model.head_dim must be >= 1 (or null for hidden_size / num_attention_heads), got 0"),
     (["model.ffn_hidden_size=175", "parallel.tp=2"], 2, "model.ffn_hidden_size (175) must be divisible by parallel.tp (2)"),
     (["model.num_layers=3", "parallel.pp=2"], 2, "model.num_layers (3) must be divisible by parallel.pp (2)"),
     (["parallel.tp=2", "parallel.pp=2"], 6, "world size 6 must be divisible by parallel.tp*pp*cp = 2*2*1 = 4"),

@@ -37,6 +37,8 @@ CASES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
               dict(COMMON, num_hidden_layers=2, max_position_embeddings=256, tie_word_embeddings=True,
                    rope_theta=1000000.0)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",  # per-head q/k norms, head_dim 24 != 64 / 4
+              dict(COMMON, num_hidden_layers=2, head_dim=24, max_position_embeddings=256, rope_theta=1000000.0)),
     "mistral": ("MistralConfig", "MistralForCausalLM",
                 dict(COMMON, num_hidden_layers=2, num_attention_heads=8, max_position_embeddings=256,
                      sliding_window=None)),  # 8 heads / 2 KV groups: 4 query heads per group
@@ -387,7 +389,7 @@ def _llama_json(**changes):
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
-    (dict(head_dim=32), "head_dim 32"),
+    (dict(architectures=["Qwen2ForCausalLM"], head_dim=32), "head_dim 32"),
     (dict(rope_theta=10000.5), "rope_theta 10000.5"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn'"),
     (dict(rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -416,6 +418,10 @@ def test_supported_config_variants():
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}))
     assert (v5.rotary_base, v5.rope_scaling_factor) == (500000.0, 32.0)
+    qwen3 = hf_config_to_model_config(_llama_json(architectures=["Qwen3ForCausalLM"], head_dim=32))
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 32
+    assert hf_config_to_model_config(_llama_json(head_dim=16)).head_dim is None  # = 64 / 4, the default
+    assert hf_config_to_model_config(_llama_json(head_dim=8)).head_dim == 8
 
 
 def test_export_rejects_bad_input(hf_models, tmp_path):
@@ -425,6 +431,9 @@ def test_export_rejects_bad_input(hf_models, tmp_path):
         save_hf_checkpoint(tmp_path / "a", mc, canonical, "GPT2LMHeadModel")
     with pytest.raises(ValueError, match="LlamaForCausalLM cannot express qkv_bias=True"):
         save_hf_checkpoint(tmp_path / "a", mc, canonical, "LlamaForCausalLM")
+    q3, q3_canonical = load_hf_checkpoint(hf_models["qwen3"][0])
+    with pytest.raises(ValueError, match="LlamaForCausalLM cannot express qk_norm=True"):
+        save_hf_checkpoint(tmp_path / "a", q3, q3_canonical, "LlamaForCausalLM")
     broken = {k: v for k, v in canonical.items() if k != "decoder.layers.1.mlp.linear_fc2.weight"}
     broken["output_layer.weight"] = canonical["embedding.word_embeddings.weight"]
     with pytest.raises(ValueError) as e:

@@ -15,8 +15,12 @@ VOCAB, SEQ, GBS, MBS = 100, 16, 8, 2  # vocab 100 exercises the TP padding (128 
 def _configs(tp, pp):
     from megarl.config import LRScheduleConfig, ModelConfig, OptimConfig, ParallelConfig
 
+    # Every attention feature at once: q/k/v biases (Qwen2), per-head q/k norms and a head_dim
+    # other than hidden/heads (Qwen3); the q/k norm weights are replicated but see only their
+    # TP rank's heads, so their gradients must be summed over TP.
     model = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                        num_kv_heads=2, vocab_size=VOCAB, max_position_embeddings=64, qkv_bias=True)
+                        num_kv_heads=2, head_dim=24, vocab_size=VOCAB, max_position_embeddings=64,
+                        qkv_bias=True, qk_norm=True)
     # Clipping active. eps=1e-4 keeps Adam's update Lipschitz at the fp32 noise floor: with
     # eps=1e-8, gradients that are analytically ~0 (e.g. the key bias) turn rounding noise into
     # full-size steps, in any implementation. Gradients themselves are compared directly below.

@@ -1,4 +1,4 @@
-"""Hugging Face interop: Llama / Qwen2 / Mistral safetensors checkpoints <-> canonical tensors.
+"""Hugging Face interop: Llama / Qwen2 / Qwen3 / Mistral safetensors checkpoints <-> canonical tensors.
 
 The canonical dict (see megarl/models/layout.py) is what a TP=1/PP=1 megarl model holds, so
 this module never touches process groups: a converter process and a role being built
@@ -10,6 +10,7 @@ Name mapping per layer i (HF `model.layers.{i}.` -> canonical `decoder.layers.{i
     self_attn.{q,k,v}_proj.{weight,bias} -> self_attention.linear_qkv.{weight,bias}  (fused per
         KV group g: [q heads of g; k_g; v_g], megatron-core's layout)
     self_attn.o_proj.weight             -> self_attention.linear_proj.weight
+    self_attn.{q,k}_norm.weight         -> self_attention.{q,k}_layernorm.weight  (Qwen3)
     post_attention_layernorm.weight     -> pre_mlp_layernorm.weight
     mlp.{gate,up}_proj.weight           -> mlp.linear_fc1.weight  ([gate; up])
     mlp.down_proj.weight                -> mlp.linear_fc2.weight
@@ -34,11 +35,12 @@ import torch
 
 from megarl.config.schema import ModelConfig
 
-# architecture -> (model_type, attention projections carry a bias)
+# architecture -> (model_type, attention projections carry a bias, per-head q/k RMSNorm)
 ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", False),
-    "Qwen2ForCausalLM": ("qwen2", True),
-    "MistralForCausalLM": ("mistral", False),
+    "LlamaForCausalLM": ("llama", False, False),
+    "Qwen2ForCausalLM": ("qwen2", True, False),
+    "Qwen3ForCausalLM": ("qwen3", False, True),
+    "MistralForCausalLM": ("mistral", False, False),
 }
 # megatron-core's RotaryEmbedding._apply_scaling hard-codes these (Llama-3.1 values); only the
 # factor is configurable (ModelConfig.rope_scaling_factor).
@@ -78,7 +80,7 @@ def _model_config(c: dict) -> ModelConfig:
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise ValueError(f"config.json: unsupported architectures {archs!r}; supported: {_names(ARCHITECTURES)}")
     arch = archs[0]
-    _, qkv_bias = ARCHITECTURES[arch]
+    _, qkv_bias, qk_norm = ARCHITECTURES[arch]
 
     def need(key):
         if c.get(key) is None:
@@ -88,12 +90,15 @@ def _model_config(c: dict) -> ModelConfig:
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
     kv_heads = int(c.get("num_key_value_heads") or heads)
     max_pos = int(need("max_position_embeddings"))
-    if hidden % heads or heads % kv_heads:
+    head_dim = int(c["head_dim"]) if c.get("head_dim") is not None else None
+    if head_dim == hidden // heads and hidden % heads == 0:
+        head_dim = None  # the default; ModelConfig keeps null for it
+    if (head_dim is None and hidden % heads) or heads % kv_heads:
         raise ValueError(f"config.json: hidden_size {hidden}, num_attention_heads {heads} and "
                          f"num_key_value_heads {kv_heads} must divide evenly")
-    if c.get("head_dim") is not None and int(c["head_dim"]) != hidden // heads:
-        raise ValueError(f"config.json: head_dim {c['head_dim']} != hidden_size/num_attention_heads "
-                         f"({hidden // heads}) is unsupported")
+    if head_dim is not None and arch == "Qwen2ForCausalLM":
+        raise ValueError(f"config.json: head_dim {head_dim} != hidden_size/num_attention_heads "
+                         f"({hidden // heads}) is unsupported for {arch}")
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act {c['hidden_act']!r} is unsupported (megarl uses SwiGLU with silu)")
     for flag in ("attention_bias", "mlp_bias", "use_mrope"):
@@ -109,11 +114,13 @@ def _model_config(c: dict) -> ModelConfig:
         ffn_hidden_size=int(need("intermediate_size")),
         num_attention_heads=heads,
         num_kv_heads=kv_heads,
+        head_dim=head_dim,
         vocab_size=int(need("vocab_size")),
         max_position_embeddings=max_pos,
         rotary_base=theta,
         rope_scaling_factor=factor,
         qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         init_std=float(c.get("initializer_range", 0.02)),
@@ -173,10 +180,15 @@ def model_config_to_hf_config(mc: ModelConfig, arch: str, torch_dtype: str = "fl
     """ModelConfig -> config.json dict for `arch` (transformers-4 rope keys, which 5 also reads)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {_names(ARCHITECTURES)}")
-    model_type, arch_bias = ARCHITECTURES[arch]
+    model_type, arch_bias, arch_qk_norm = ARCHITECTURES[arch]
     if mc.qkv_bias != arch_bias:
         raise ValueError(f"{arch} cannot express qkv_bias={mc.qkv_bias} (its q/k/v projections "
                          f"{'always' if arch_bias else 'never'} have a bias)")
+    if mc.qk_norm != arch_qk_norm:
+        raise ValueError(f"{arch} cannot express qk_norm={mc.qk_norm} (it "
+                         f"{'always' if arch_qk_norm else 'never'} normalises q and k per head)")
+    if mc.head_dim is not None and arch == "Qwen2ForCausalLM":
+        raise ValueError(f"{arch} cannot express head_dim={mc.head_dim} != hidden_size/num_attention_heads")
     if mc.rotary_base != int(mc.rotary_base):
         raise ValueError(f"rotary_base {mc.rotary_base} is not an integer")
     scaling = None
@@ -202,12 +214,14 @@ def model_config_to_hf_config(mc: ModelConfig, arch: str, torch_dtype: str = "fl
         "torch_dtype": torch_dtype,
         "use_cache": True,
     }
-    if arch in ("LlamaForCausalLM", "MistralForCausalLM"):
-        cfg["head_dim"] = mc.hidden_size // mc.num_attention_heads
+    if arch != "Qwen2ForCausalLM":
+        cfg["head_dim"] = mc.head_dim or mc.hidden_size // mc.num_attention_heads
     if arch == "LlamaForCausalLM":
         cfg.update(attention_bias=False, mlp_bias=False)
-    elif arch == "Qwen2ForCausalLM":
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=mc.num_layers)
+        if arch == "Qwen3ForCausalLM":
+            cfg["attention_bias"] = False
     else:
         cfg["sliding_window"] = None
     return cfg
@@ -226,13 +240,14 @@ class _Dims:
     head_dim: int
     vocab: int
     bias: bool
+    qk_norm: bool
     tied: bool
 
     @classmethod
     def of(cls, mc: ModelConfig) -> "_Dims":
         return cls(mc.num_layers, mc.hidden_size, mc.ffn_hidden_size, mc.num_attention_heads,
-                   mc.num_kv_heads or mc.num_attention_heads, mc.hidden_size // mc.num_attention_heads,
-                   mc.vocab_size, mc.qkv_bias, mc.tie_embeddings)
+                   mc.num_kv_heads or mc.num_attention_heads, mc.head_dim or mc.hidden_size // mc.num_attention_heads,
+                   mc.vocab_size, mc.qkv_bias, mc.qk_norm, mc.tie_embeddings)
 
 
 def hf_shapes(mc: ModelConfig) -> dict[str, tuple]:
@@ -247,6 +262,8 @@ def hf_shapes(mc: ModelConfig) -> dict[str, tuple]:
         if d.bias:
             out.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                         p + "self_attn.v_proj.bias": (kv,)})
+        if d.qk_norm:
+            out.update({p + "self_attn.q_norm.weight": (d.head_dim,), p + "self_attn.k_norm.weight": (d.head_dim,)})
         out.update({p + "self_attn.o_proj.weight": (d.hidden, q),
                     p + "mlp.gate_proj.weight": (d.ffn, d.hidden), p + "mlp.up_proj.weight": (d.ffn, d.hidden),
                     p + "mlp.down_proj.weight": (d.hidden, d.ffn),
@@ -268,6 +285,9 @@ def canonical_shapes(mc: ModelConfig) -> dict[str, tuple]:
         out[p + "self_attention.linear_qkv.weight"] = (qkv, d.hidden)
         if d.bias:
             out[p + "self_attention.linear_qkv.bias"] = (qkv,)
+        if d.qk_norm:
+            out[p + "self_attention.q_layernorm.weight"] = (d.head_dim,)
+            out[p + "self_attention.k_layernorm.weight"] = (d.head_dim,)
         out.update({p + "self_attention.linear_proj.weight": (d.hidden, d.heads * d.head_dim),
                     p + "pre_mlp_layernorm.weight": (d.hidden,),
                     p + "mlp.linear_fc1.weight": (2 * d.ffn, d.hidden), p + "mlp.linear_fc2.weight": (d.hidden, d.ffn)})
@@ -282,6 +302,10 @@ _RENAMES = {  # one-to-one: HF layer suffix -> canonical layer suffix
     "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+_QK_NORM_RENAMES = {  # one-to-one, with qk_norm
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
 }
 _GLOBAL_RENAMES = {
     "model.embed_tokens.weight": "embedding.word_embeddings.weight",
@@ -320,7 +344,7 @@ def _canonical_recipes(mc: ModelConfig, hf: Mapping[str, torch.Tensor]) -> dict[
            if n in hf and not (d.tied and n == "lm_head.weight")}
     for i in range(d.layers):
         p, c = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for src, dst in _RENAMES.items():
+        for src, dst in {**_RENAMES, **(_QK_NORM_RENAMES if d.qk_norm else {})}.items():
             out[c + dst] = partial(hf.__getitem__, p + src)
         for kind in ("weight", "bias") if d.bias else ("weight",):
             out[c + f"self_attention.linear_qkv.{kind}"] = partial(
@@ -339,7 +363,7 @@ def canonical_to_hf(mc: ModelConfig, canonical: dict[str, torch.Tensor]) -> dict
     out = {hf: canonical[c] for hf, c in _GLOBAL_RENAMES.items() if not (d.tied and hf == "lm_head.weight")}
     for i in range(d.layers):
         p, c = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for src, dst in _RENAMES.items():
+        for src, dst in {**_RENAMES, **(_QK_NORM_RENAMES if d.qk_norm else {})}.items():
             out[p + src] = canonical[c + dst]
         for kind in ("weight", "bias") if d.bias else ("weight",):
             q, k, v = _split_qkv(canonical[c + f"self_attention.linear_qkv.{kind}"], d)
@@ -407,7 +431,7 @@ def _header(path: str) -> dict[str, tuple]:
 
 
 def load_hf_checkpoint(hf_dir: str, *, lazy: bool = False) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
-    """Read a Llama/Qwen2/Mistral safetensors checkpoint as (ModelConfig, canonical tensors).
+    """Read a Llama/Qwen2/Qwen3/Mistral safetensors checkpoint as (ModelConfig, canonical tensors).
 
     Everything is validated before tensor data is read, and all problems are reported in one
     ValueError, so a bad checkpoint never half-loads. Tensors keep the file's dtype (the model

@@ -76,7 +76,8 @@ def megarl_to_hf(checkpoint: str, out: str, arch: str, config: str | None, overr
         teardown()
 
 
-ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+        "mistral": "MistralForCausalLM"}
 
 
 def run(args) -> int:

@@ -13,19 +13,21 @@ from typing import Literal, Optional
 
 @dataclass
 class ModelConfig:
-    """A Llama/Qwen2/Mistral-style decoder: RMSNorm, SwiGLU, RoPE, GQA."""
+    """A Llama/Qwen2/Qwen3/Mistral-style decoder: RMSNorm, SwiGLU, RoPE, GQA."""
 
     num_layers: int = 2
     hidden_size: int = 64
     ffn_hidden_size: int = 176
     num_attention_heads: int = 4
     num_kv_heads: Optional[int] = None  # None: multi-head attention (= num_attention_heads)
+    head_dim: Optional[int] = None  # None: hidden_size / num_attention_heads (Qwen3 sets its own)
     vocab_size: int = 262  # the tokenizer's true vocabulary; padded internally for TP
     make_vocab_size_divisible_by: int = 128
     max_position_embeddings: int = 512
     rotary_base: float = 10000.0
     rope_scaling_factor: Optional[float] = None  # Llama-3.1 style scaling when set
     qkv_bias: bool = False  # Qwen2 sets true
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
     tie_embeddings: bool = False  # Qwen2-small and many tiny models tie
     norm_eps: float = 1e-5
     init_std: float = 0.02

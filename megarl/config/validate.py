@@ -40,7 +40,9 @@ def _model_rules(m: ModelConfig, cfg: Config, where: str, cuda: bool) -> list[st
             errs.append(f"{where}.{name} must be >= 1, got {getattr(m, name)}")
     if errs:
         return errs
-    if m.hidden_size % m.num_attention_heads:
+    if m.head_dim is not None and m.head_dim < 1:
+        errs.append(f"{where}.head_dim must be >= 1 (or null for hidden_size / num_attention_heads), got {m.head_dim}")
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
         errs.append(f"{where}.hidden_size ({m.hidden_size}) must be divisible by {where}.num_attention_heads ({m.num_attention_heads})")
     if m.num_attention_heads % p.tp:
         errs.append(f"{where}.num_attention_heads ({m.num_attention_heads}) must be divisible by parallel.tp ({p.tp})")

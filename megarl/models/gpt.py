@@ -1,4 +1,4 @@
-"""Llama/Qwen2/Mistral-style decoders on megatron-core's GPTModel, with an LM or scalar head.
+"""Llama/Qwen2/Qwen3/Mistral-style decoders on megatron-core's GPTModel, with an LM or scalar head.
 
 `ModelConfig` -> `TransformerConfig` is the only translation; after it, TransformerConfig is
 the single source of model truth (as in megatron-core). The layer spec is swapped, never
@@ -47,7 +47,8 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig, precision: str = "fp
         ffn_hidden_size=mc.ffn_hidden_size,
         num_attention_heads=mc.num_attention_heads,
         num_query_groups=mc.num_kv_heads or mc.num_attention_heads,
-        kv_channels=mc.hidden_size // mc.num_attention_heads,
+        kv_channels=mc.head_dim or mc.hidden_size // mc.num_attention_heads,
+        qk_layernorm=mc.qk_norm,
         normalization="RMSNorm",
         layernorm_epsilon=mc.norm_eps,
         gated_linear_unit=True,  # SwiGLU
@@ -87,8 +88,8 @@ def layer_spec(mc: ModelConfig):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if use_transformer_engine(mc):
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=mc.qk_norm)
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.qk_norm)
 
 
 class ScalarHead(nn.Module):
