@@ -94,7 +94,8 @@ def _scan_mats(g, L, C, dtype, device):
 
 
 def _gae_torch(r, v, m, gamma, lam):
-    """[B, T] GAE in row blocks; a block whose masks are not all prefix-shaped is compacted."""
+    """[B, T] GAE in row blocks: prefix-shaped masks take _prefix_block; a block with holes takes
+    the pass-through scan, or compaction when gamma*lam < _MIN_TRANSPARENT_G."""
     B, T = r.shape
     adv, ret = torch.empty_like(r), torch.empty_like(r)
     if B == 0 or T == 0:
@@ -168,7 +169,7 @@ def _suffix_scan(x, d, L, lo):
 
     Within chunks of Lc <= L tokens, with P_t the product of d over the chunk's tokens before t,
     y_t = (1/P_t) sum_{s >= t} P_s x_s: one matmul with a triangle of ones. Lc keeps P above
-    the dtype's underflow (lo^(Lc-1) >= _tiny; at Lc = 2 the one P that could underflow is
+    the dtype's underflow (lo^(Lc-1) >= tiny; at Lc = 2 the one P that could underflow is
     clamped, which only rounds a ratio P_1/P_0 that is below _tiny anyway). The chunk heads
     then take the same scan, recursively, with each chunk's total decay (>= lo^Lc)."""
     n, T = x.shape
