@@ -7,8 +7,9 @@ across the end of a response. Masked tokens are invisible (A = R = 0 there; a ho
 response, e.g. a tool observation, is skipped rather than ending it).
 
 On CUDA tensors the chunked-scan kernel of csrc/gae.cu runs; elsewhere the torch path below
-computes A as a discounted reverse cumulative sum of delta with two small matmuls per block of
-rows (within chunks of _CHUNK tokens, then across chunk heads), which is exact up to rounding.
+computes A as a discounted reverse cumulative sum of delta, one small matmul per level: within
+chunks of _PREFIX_CHUNK tokens, then recursively over the chunk heads. This is exact up to
+rounding.
 Blocks whose masks have holes run a scan whose decay is g = gamma*lam on valid tokens and 1 on
 masked ones, so holes pass the running sums through untouched (no compaction); for g below
 _MIN_TRANSPARENT_G, where that scan's scaling would lose precision, they are compacted instead.
@@ -19,8 +20,9 @@ import torch
 
 from . import _ext
 
-_CHUNK = 32            # scan chunk length of the torch path
-_BLOCK_ELEMS = 1 << 17  # tokens per row block of the torch path (512 KiB fp32 temporaries)
+_CHUNK = 32            # chunk length of the pass-through scan (holed rows)
+_PREFIX_CHUNK = 16     # chunk length of the prefix path's discounted suffix sums
+_BLOCK_ELEMS = 1 << 18  # tokens per row block of the torch path (1 MiB fp32 temporaries)
 _MIN_TRANSPARENT_G = 0.25  # holed rows: smallest gamma*lam for the pass-through scan (else compact)
 
 
@@ -79,18 +81,37 @@ def _out_dtype(*ts):
     return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
 
 
-def _scan_mats(g, L, C, dtype, device):
-    """K [L, L] with K[s, t] = g^(s-t) for s >= t (within-chunk discounted suffix sums),
-    K2 [C, C] with K2[c', c] = g^(L (c'-c-1)) for c' > c (carry from later chunk heads),
-    tail [L] with tail[j] = g^(L-j) (how the carry reaches offset j). Built in fp64."""
+def _scan_mats(g, L, T, dtype, device):
+    """Per level of _discounted_suffix_sum over T tokens in chunks of L: (K [L, L] with
+    K[s, t] = d^(s-t) for s >= t, tail [L] with tail[j] = d^(L-j)), where level i's decay d
+    is g^(L^i) (each chunk head stands for L tokens of the level below). Built in fp64; powers
+    that underflow are 0, which is what they are worth."""
+    mats, d, C = [], float(g), -(-T // L)
     i = torch.arange(L, dtype=torch.float64, device=device)
-    d = i[:, None] - i[None, :]
-    K = torch.where(d >= 0, g ** d.clamp(min=0), 0.0)
-    j = torch.arange(C, dtype=torch.float64, device=device)
-    d2 = j[:, None] - j[None, :] - 1
-    K2 = torch.where(d2 >= 0, (g ** L) ** d2.clamp(min=0), 0.0)
-    tail = g ** (L - i)
-    return K.to(dtype), K2.to(dtype), tail.to(dtype)
+    diff = i[:, None] - i[None, :]
+    while True:
+        K = torch.where(diff >= 0, d ** diff.clamp(min=0), 0.0)
+        mats.append((K.to(dtype), (d ** (L - i)).to(dtype)))
+        if C == 1:
+            return mats
+        d, C = d ** L, -(-C // L)
+
+
+def _discounted_suffix_sum(x, mats, L, out=None):
+    """y_t = x_t + g y_{t+1} along the last dim of [n, T] (y_T = 0): within chunks of L one
+    matmul with K, then the chunk heads take the same sum recursively (decay g^L) and reach
+    each token of the chunk before through tail. `out`: [n, T] to write y into (T % L == 0)."""
+    n, T = x.shape
+    C = -(-T // L)
+    if C * L != T:  # pad with zeros: nothing enters
+        x, out = torch.nn.functional.pad(x, (0, C * L - T)), None
+    K, tail = mats[0]
+    y = torch.mm(x.view(n * C, L), K, out=None if out is None else out.view(n * C, L)).view(n, C, L)
+    if C > 1:
+        H = _discounted_suffix_sum(y[..., 0].contiguous(), mats[1:], L)   # [n, C] full heads
+        y[:, :-1].addcmul_(H[:, 1:, None], tail)
+    y = y.view(n, C * L)
+    return y if C * L == T else y[:, :T]
 
 
 def _gae_torch(r, v, m, gamma, lam):
@@ -102,7 +123,7 @@ def _gae_torch(r, v, m, gamma, lam):
         return adv, ret
     L = min(_CHUNK, T)
     C = -(-T // L)
-    mats = _scan_mats(gamma * lam, L, C, r.dtype, r.device)
+    mats = _scan_mats(gamma * lam, _PREFIX_CHUNK, T, r.dtype, r.device)
     # Prefix test: sum_t m_t (T - t) reaches cnt T - cnt (cnt - 1) / 2 only when the cnt valid
     # tokens come first. Every term is an integer <= T^2, exact while T^2 <= 2 / eps (T <= 4096
     # in fp32); longer rows use a comparison of neighbours instead.
@@ -121,30 +142,23 @@ def _gae_torch(r, v, m, gamma, lam):
         if holed and gamma * lam >= _MIN_TRANSPARENT_G:
             _transparent_block(r[i:j], v[i:j], mf, gamma, gamma * lam, L, adv[i:j], ret[i:j])
         elif holed:
-            _holed_block(r[i:j], v[i:j], mb, gamma, mats, L, adv[i:j], ret[i:j])
+            _holed_block(r[i:j], v[i:j], mb, gamma, mats, adv[i:j], ret[i:j])
         else:
-            _prefix_block(r[i:j], v[i:j], mf, gamma, mats, L, adv[i:j], ret[i:j])
+            _prefix_block(r[i:j], v[i:j], mf, gamma, mats, adv[i:j], ret[i:j])
     return adv, ret
 
 
-def _prefix_block(rb, vb, mf, gamma, mats, L, out_adv, out_ret):
+def _prefix_block(rb, vb, mf, gamma, mats, out_adv, out_ret):
     """Rows whose valid tokens (mf = 1) form a prefix: zero everything past it, then A is the
-    gamma*lam-discounted reverse cumsum of delta (zero past the prefix, so nothing leaks).
+    gamma*lam-discounted suffix sum of delta (zero past the prefix, so nothing leaks).
     Masked entries are multiplied by 0, so they must be finite."""
-    K, K2, tail = mats
-    b, T = rb.shape
-    C = K2.shape[0]
     nvm = torch.addcmul(rb.new_zeros(()), vb, mf, value=-1.0)   # [b, T] -v, 0 past the prefix
-    delta = torch.empty_like(nvm) if C * L == T else rb.new_zeros(b, C * L)
-    dv = torch.addcmul(nvm, rb, mf, out=delta[:, :T])           # r - v
-    dv[:, :-1].sub_(nvm[:, 1:], alpha=gamma)                    # + gamma v_next
-    if C * L == T:  # within-chunk suffix sums straight into the output, then the carries
-        local = torch.mm(delta.view(-1, L), K, out=out_adv.view(-1, L)).view(b, C, L)
-        local.addcmul_(torch.mm(local[..., 0], K2)[..., None], tail)
-    else:
-        local = torch.mm(delta.view(-1, L), K).view(b, C, L)
-        local.addcmul_(torch.mm(local[..., 0], K2)[..., None], tail)
-        out_adv.copy_(local.view(b, C * L)[:, :T])
+    delta = torch.addcmul(nvm, rb, mf)                          # r - v
+    delta[:, :-1].sub_(nvm[:, 1:], alpha=gamma)                 # + gamma v_next
+    L = mats[0][0].shape[0]
+    y = _discounted_suffix_sum(delta, mats, L, out=out_adv if rb.shape[1] % L == 0 else None)
+    if y.data_ptr() != out_adv.data_ptr():
+        out_adv.copy_(y)
     torch.sub(out_adv, nvm, out=out_ret)                        # A + v
 
 
@@ -196,7 +210,7 @@ def _suffix_scan(x, d, L, lo):
     return y if W == T else y[:, :T]
 
 
-def _holed_block(rb, vb, mb, gamma, mats, L, out_adv, out_ret):
+def _holed_block(rb, vb, mb, gamma, mats, out_adv, out_ret):
     """Rows with masked tokens between valid ones: move each row's valid tokens to the front
     (order kept), solve the prefix problem, and move the results back."""
     b, T = rb.shape
@@ -206,7 +220,7 @@ def _holed_block(rb, vb, mb, gamma, mats, L, out_adv, out_ret):
     vc = vb.new_zeros(b, T + 1).scatter_(1, dest, vb)[:, :T]
     mc = (torch.arange(T, device=rb.device) < (pos[:, -1:] + 1)).to(rb.dtype)
     ac, rtc = torch.empty_like(out_adv), torch.empty_like(out_ret)
-    _prefix_block(rc, vc, mc, gamma, mats, L, ac, rtc)
+    _prefix_block(rc, vc, mc, gamma, mats, ac, rtc)
     src = pos.clamp(min=0)
     zero = rb.new_zeros(())
     torch.where(mb, ac.gather(1, src), zero, out=out_adv)
