@@ -1,6 +1,6 @@
 """CPU benchmark: megarl.ops.gae (vectorised torch path) vs the usual Python loop over T.
 
-    python bench/bench_gae.py [--shape 512x4096] [--reps 3] [--threads N]
+    python bench/bench_gae.py [--shape 512x4096] [--reps 3] [--threads N] [--malloc retain|default]
 
 The loop is the one RL frameworks ship (verl's compute_gae_advantage_return: one vectorised
 step per token over the batch, masked tokens carried through). Both run on the same fp32
@@ -8,9 +8,16 @@ inputs: right-padded responses of random lengths (megarl's prefix path) and resp
 ~10% masked holes (megarl's pass-through scan). Outputs are checked to agree on valid tokens.
 Wall time is the best of --reps runs (others share this machine); CPU time (user+sys of this
 process, all threads) is reported too because it is less sensitive to that sharing.
+--malloc retain (the default) re-runs the script with glibc told to keep freed memory
+(MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_), as the jemalloc/tcmalloc that training jobs
+often preload do. With glibc's defaults, whether the 16 MiB of fresh outputs per call come back
+as new pages (a first-touch fault per 4 KiB, ~6 ms per call on this VM) depends on what ran
+before, and the same call measured 4 or 11 ms from run to run.
 Prints a markdown table.
 """
 import argparse
+import os
+import sys
 import time
 
 import torch
@@ -51,7 +58,12 @@ def main():
     ap.add_argument("--shape", default="512x4096")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--malloc", choices=["retain", "default"], default="retain",
+                    help="retain: glibc keeps freed memory (no first-touch faults on reused outputs)")
     args = ap.parse_args()
+    if args.malloc == "retain" and "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        env = dict(os.environ, MALLOC_TRIM_THRESHOLD_=str(1 << 34), MALLOC_MMAP_THRESHOLD_=str(1 << 30))
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)  # glibc reads these at start-up
     if args.threads:
         torch.set_num_threads(args.threads)
     B, T = map(int, args.shape.split("x"))
@@ -63,7 +75,8 @@ def main():
     masks["holed (10%)"] = masks["right-padded"] & (torch.rand(B, T, generator=g) > 0.1)
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}, "
-          f"command: python bench/bench_gae.py --shape {args.shape} --reps {args.reps} --threads {args.threads}")
+          f"command: python bench/bench_gae.py --shape {args.shape} --reps {args.reps} --threads {args.threads} "
+          f"--malloc {args.malloc}")
     print()
     print("| [B, T] | mask | impl | wall ms (best) | CPU ms (best) | wall speed-up | CPU speed-up | max abs diff |")
     print("|---|---|---|---|---|---|---|---|")
