@@ -23,6 +23,7 @@ import time
 import torch
 
 from megarl.ops import gae
+from timing import best_wall_and_cpu
 
 
 def gae_loop(r, v, m, gamma, lam):
@@ -44,13 +45,7 @@ def gae_loop(r, v, m, gamma, lam):
 
 def timed(fn, reps):
     fn()  # warm-up
-    wall, cpu = [], []
-    for _ in range(reps):
-        w0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        wall.append(time.perf_counter() - w0)
-        cpu.append(time.process_time() - c0)
-    return min(wall), min(cpu)
+    return best_wall_and_cpu(fn, reps)
 
 
 def main():

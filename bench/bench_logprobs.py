@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+from timing import best_wall_and_cpu
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -77,13 +79,8 @@ def child(impl, shape, dtype, mode, what, reps, threads):
         once()
         res["extra_mib"] = (_rss_kib("VmHWM") - base) / 1024
     else:
-        wall, cpu = [], []
-        for _ in range(reps):
-            w0, c0 = time.perf_counter(), time.process_time()
-            once()
-            wall.append(time.perf_counter() - w0)
-            cpu.append(time.process_time() - c0)
-        res.update(wall_s=min(wall), cpu_s=min(cpu))
+        wall_s, cpu_s = best_wall_and_cpu(once, reps)
+        res.update(wall_s=wall_s, cpu_s=cpu_s)
     return res
 
 
