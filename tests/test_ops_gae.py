@@ -101,8 +101,9 @@ HOLED_PATHS = [(path, gamma, lam) for path in ("pass_through", "compaction")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("B,T", [(6, 77), (3, 2050)])
 def test_holed_masks_on_both_cpu_paths(monkeypatch, path, dtype, gamma, lam, B, T):
-    """Holed rows take the pass-through scan (three levels of chunks at T=2050) when
-    gamma*lam >= _MIN_TRANSPARENT_G and are compacted otherwise; force each path."""
+    """Holed rows take the pass-through scan when gamma*lam >= _MIN_TRANSPARENT_G and are
+    compacted otherwise; force each path. At T=2050 the pass-through scan's chunk heads take
+    the one-pass fp64 scan for gamma*lam = 0.94 and 1, the chunked recursion for 0.35 and 0.24."""
     monkeypatch.setattr(gae_mod, "_MIN_TRANSPARENT_G", 1e-30 if path == "pass_through" else 2.0)
     r, v, g = inputs(B, T, seed=T + B, dtype=dtype)
     m = right_padded(B, T, g) & (torch.rand(B, T, generator=g) < 0.85)
@@ -112,8 +113,8 @@ def test_holed_masks_on_both_cpu_paths(monkeypatch, path, dtype, gamma, lam, B, 
 
 @pytest.mark.parametrize("lo,dtype", [(0.3, torch.float64), (0.3, torch.float32), (0.0, torch.float32)])
 def test_suffix_scan_with_per_token_decays(lo, dtype):
-    """The pass-through scan's engine, y_t = x_t + d_t y_{t+1}, against a float64 loop; decays
-    down to 0 make products underflow within a chunk (smaller chunks, clamped P)."""
+    """The chunked recursion behind _carries, y_t = x_t + d_t y_{t+1}, against a float64 loop;
+    decays down to 0 make products underflow within a chunk (smaller chunks, clamped P)."""
     g = torch.Generator().manual_seed(11)
     x = torch.randn(5, 1100, generator=g, dtype=torch.float64)
     d = lo + (1 - lo) * torch.rand(5, 1100, generator=g, dtype=torch.float64)
@@ -127,6 +128,27 @@ def test_suffix_scan_with_per_token_decays(lo, dtype):
     for L in (4, 32):
         y = gae_mod._suffix_scan(x.to(dtype), d.to(dtype), L, lo)
         torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("C,lo", [(300, 0.2), (300, 1e-5), (2, 0.5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunk_carries_both_branches(C, lo, dtype):
+    """The pass-through scan's carries between chunks, D_c h_{c+1} with h_c = a_c + D_c h_{c+1},
+    against a float64 loop: lo = 0.2 over 300 chunks (products down to 1e-210) takes the
+    one-pass fp64 reversed cumsum; lo = 1e-5 (products below fp64's range) the chunked recursion."""
+    g = torch.Generator().manual_seed(12)
+    a = torch.randn(4, C, generator=g, dtype=torch.float64)
+    D = lo + (1 - lo) * torch.rand(4, C, generator=g, dtype=torch.float64)
+    D[0] = lo  # one row at the bound: its products reach lo^C
+    h, acc = torch.zeros_like(a), torch.zeros(4, dtype=torch.float64)
+    for c in reversed(range(C)):
+        acc = a[:, c] + D[:, c] * acc
+        h[:, c] = acc
+    ref = D[:, :-1] * h[:, 1:]
+    carry = gae_mod._carries(a.to(dtype), D.to(dtype), lo)
+    assert carry.dtype == dtype and carry.shape == (4, C - 1)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(carry.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("device", DEVICES)

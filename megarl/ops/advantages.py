@@ -11,7 +11,8 @@ computes A as a discounted reverse cumulative sum of delta, one small matmul per
 chunks of _PREFIX_CHUNK tokens, then recursively over the chunk heads. This is exact up to
 rounding.
 Blocks whose masks have holes run a scan whose decay is g = gamma*lam on valid tokens and 1 on
-masked ones, so holes pass the running sums through untouched (no compaction); for g below
+masked ones, so holes pass the running sums through untouched (no compaction): a matmul within
+chunks of _CHUNK tokens, then one fp64 reversed cumsum over the chunk heads. For g below
 _MIN_TRANSPARENT_G, where that scan's scaling would lose precision, they are compacted instead.
 """
 import math
@@ -20,7 +21,7 @@ import torch
 
 from . import _ext
 
-_CHUNK = 32            # chunk length of the pass-through scan (holed rows)
+_CHUNK = 16            # chunk length of the pass-through scan (holed rows)
 _PREFIX_CHUNK = 16     # chunk length of the prefix path's discounted suffix sums
 _BLOCK_ELEMS = 1 << 18  # tokens per row block of the torch path (1 MiB fp32 temporaries)
 _MIN_TRANSPARENT_G = 0.25  # holed rows: smallest gamma*lam for the pass-through scan (else compact)
@@ -121,26 +122,26 @@ def _gae_torch(r, v, m, gamma, lam):
     adv, ret = torch.empty_like(r), torch.empty_like(r)
     if B == 0 or T == 0:
         return adv, ret
-    L = min(_CHUNK, T)
-    C = -(-T // L)
-    mats = _scan_mats(gamma * lam, _PREFIX_CHUNK, T, r.dtype, r.device)
+    g = gamma * lam
+    mats = _scan_mats(g, _PREFIX_CHUNK, T, r.dtype, r.device)
     # Prefix test: sum_t m_t (T - t) reaches cnt T - cnt (cnt - 1) / 2 only when the cnt valid
     # tokens come first. Every term is an integer <= T^2, exact while T^2 <= 2 / eps (T <= 4096
     # in fp32); longer rows use a comparison of neighbours instead.
     exact = T * T <= 2.0 / torch.finfo(r.dtype).eps
     ramp = torch.arange(T, 0, -1, dtype=r.dtype, device=r.device) if exact else None
-    rows = max(1, _BLOCK_ELEMS // (C * L))
+    rows = max(1, _BLOCK_ELEMS // T)
+    ones = torch.ones(min(_CHUNK, T), min(_CHUNK, T), dtype=r.dtype, device=r.device).tril_()
     for i in range(0, B, rows):
         j = min(B, i + rows)
         mb = m[i:j]
         mf = mb.view(torch.uint8).to(r.dtype)                   # [b, T] 0/1 (uint8: fast cast)
         if ramp is not None:
-            cnt = mf.sum(1)
-            holed = bool((torch.mv(mf, ramp) != cnt * T - cnt * (cnt - 1) * 0.5).any())
+            cnt = mf.sum(1)                                     # = cnt T - cnt (cnt - 1) / 2:
+            holed = bool((torch.mv(mf, ramp) != cnt * (T + 0.5 - 0.5 * cnt)).any())
         else:
             holed = bool((mb[:, 1:] > mb[:, :-1]).any())         # a valid token after a masked one
-        if holed and gamma * lam >= _MIN_TRANSPARENT_G:
-            _transparent_block(r[i:j], v[i:j], mf, gamma, gamma * lam, L, adv[i:j], ret[i:j])
+        if holed and g >= _MIN_TRANSPARENT_G:
+            _pass_through_block(r[i:j], v[i:j], mf, gamma, g, ones, adv[i:j], ret[i:j])
         elif holed:
             _holed_block(r[i:j], v[i:j], mb, gamma, mats, adv[i:j], ret[i:j])
         else:
@@ -162,24 +163,62 @@ def _prefix_block(rb, vb, mf, gamma, mats, out_adv, out_ret):
     torch.sub(out_adv, nvm, out=out_ret)                        # A + v
 
 
-def _transparent_block(rb, vb, mf, gamma, g, L, out_adv, out_ret):
-    """Rows with holes, without moving tokens: A is the scan y_t = z_t + d_t y_{t+1} with
+def _pass_through_block(rb, vb, mf, gamma, g, ones, out_adv, out_ret):
+    """Rows with holes, without moving tokens: A is the scan y_t = z_t + d_{t+1} y_{t+1} with
     d = g on valid tokens and 1 on masked ones (a hole passes y through), minus a correction.
 
     With k(t, s) the number of valid tokens in [t, s), A_t = sum_{valid s >= t} g^k(t,s) delta_s
     and delta_s's gamma * V_next term is, summed this way, (gamma/g) sum_{valid s > t} g^k(t,s) v_s.
-    So A_t = y_t - (gamma/g) v_t on valid t, with z = m (r + (gamma/g - 1) v). The subtraction
-    costs ~gamma/g ulps of v, hence g >= _MIN_TRANSPARENT_G here."""
+    So A_t = y_t - (gamma/g) v_t on valid t, with z = m (r + (gamma/g - 1) v) (for valid t < s,
+    the product of d over (t, s] is g^k(t,s)). The subtraction costs ~gamma/g ulps of v, hence
+    g >= _MIN_TRANSPARENT_G.
+
+    Within chunks of L tokens, with Q_t the product of d over the chunk's tokens up to t,
+    y_t = S_t / Q_t where S_t = sum_{s >= t} Q_s z_s + Q_last H_next: one matmul with a triangle
+    of ones (Q >= g^L >= 2^-2L: no underflow). The heads H_c = S_c[0] + Q_last,c H_{c+1} are a
+    scan over the chunks, which _carries does."""
+    b, T = rb.shape
+    L = ones.shape[0]
+    C = -(-T // L)
+    W = C * L
     k = gamma / g
+    d = torch.mul(mf, g - 1.0).add_(1.0)                        # [b, T] g on valid, 1 on masked
     z = torch.add(rb, vb, alpha=k - 1.0).mul_(mf)               # [b, T] m (r + (gamma/g - 1) v)
-    d = torch.mul(mf, g - 1.0).add_(1.0)                       # [b, T] g on valid, 1 on masked
-    y = _suffix_scan(z, d, L, g)
-    torch.addcmul(y, vb, mf, value=-k, out=out_adv).mul_(mf)    # zero on masked tokens
+    if W != T:  # pad with z = 0, d = 1: nothing enters, nothing decays
+        d = torch.nn.functional.pad(d, (0, W - T), value=1.0)
+        z = torch.nn.functional.pad(z, (0, W - T))
+    Q = torch.cumprod(d.view(b * C, L), 1, out=d.view(b * C, L))   # [bC, L] (in place of d)
+    S = torch.mm(z.view(b * C, L).mul_(Q), ones, out=out_adv.view(b * C, L) if W == T else None)
+    if C > 1:
+        S = S.view(b, C, L)
+        carry = _carries(S[..., 0], Q[:, -1].view(b, C), g ** L)  # [b, C-1]
+        S[:, :-1].add_(carry[..., None])
+    y = S.view(b * C, L).div_(Q).view(b, W)[:, :T]
+    torch.addcmul(y, vb, mf, value=-k, out=out_adv).mul_(mf)    # 0 on masked tokens
     torch.addcmul(out_adv, vb, mf, out=out_ret)                 # A + v on valid tokens
 
 
+def _carries(a, D, lo):
+    """What reaches each chunk from the chunks after it: carry_c = D_c h_{c+1}, [n, C-1], where
+    h_c = a_c + D_c h_{c+1} along the last dim of [n, C], for decays D in [lo, 1].
+
+    When lo^C is well inside fp64's range, one pass in fp64: with Pi_j the product of D up to j,
+    carry_c = (D_c / Pi_c) sum_{j >= c} Pi_j a_{j+1}, the suffix sum accumulated from the end (a
+    reversed cumsum, so each carry is a direct sum of its own terms, never a large total minus a
+    prefix). Otherwise (long rows, small decays) the chunked recursion of _suffix_scan."""
+    n, C = a.shape
+    if lo ** C < torch.finfo(torch.float64).tiny * 1e8:
+        h = _suffix_scan(a.contiguous(), D.contiguous(), _CHUNK, lo)
+        return D[:, :-1] * h[:, 1:]
+    D64 = D.to(torch.float64)
+    Pi = D64.cumprod(1)[:, :-1]                                 # [n, C-1] fp64
+    w = torch.mul(a[:, 1:], Pi).flip(1)                         # [n, C-1], last chunk first
+    return w.cumsum_(1).flip(1).mul_(D64[:, :-1]).div_(Pi).to(a.dtype)
+
+
 def _suffix_scan(x, d, L, lo):
-    """y_t = x_t + d_t y_{t+1} along the last dim of [n, T] (y_T = 0), for decays d in [lo, 1].
+    """y_t = x_t + d_t y_{t+1} along the last dim of [n, T] (y_T = 0), for decays d in [lo, 1]:
+    the chunk heads' scan when their products leave fp64's range (see _carries).
 
     Within chunks of Lc <= L tokens, with P_t the product of d over the chunk's tokens before t,
     y_t = (1/P_t) sum_{s >= t} P_s x_s: one matmul with a triangle of ones. Lc keeps P above
