@@ -23,7 +23,7 @@ from . import _ext
 
 _CHUNK = 16            # chunk length of the pass-through scan (holed rows)
 _PREFIX_CHUNK = 16     # chunk length of the prefix path's discounted suffix sums
-_BLOCK_ELEMS = 1 << 18  # tokens per row block of the torch path (1 MiB fp32 temporaries)
+_BLOCK_ELEMS = 1 << 19  # tokens per row block of the torch path (2 MiB fp32 temporaries)
 _MIN_TRANSPARENT_G = 0.25  # holed rows: smallest gamma*lam for the pass-through scan (else compact)
 
 
