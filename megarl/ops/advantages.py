@@ -124,9 +124,10 @@ def _gae_torch(r, v, m, gamma, lam):
         return adv, ret
     g = gamma * lam
     mats = _scan_mats(g, _PREFIX_CHUNK, T, r.dtype, r.device)
-    # Prefix test: sum_t m_t (T - t) reaches cnt T - cnt (cnt - 1) / 2 only when the cnt valid
-    # tokens come first. Every term is an integer <= T^2, exact while T^2 <= 2 / eps (T <= 4096
-    # in fp32); longer rows use a comparison of neighbours instead.
+    # Prefix test: sum_t m_t (T - t) reaches cnt T - cnt (cnt - 1) / 2 = cnt (T + 1/2 - cnt/2)
+    # only when the cnt valid tokens come first. Every term is an integer <= T^2 (or a half
+    # integer below it), exact while T^2 <= 2 / eps (T <= 4096 in fp32); longer rows use a
+    # comparison of neighbours instead.
     exact = T * T <= 2.0 / torch.finfo(r.dtype).eps
     ramp = torch.arange(T, 0, -1, dtype=r.dtype, device=r.device) if exact else None
     rows = max(1, _BLOCK_ELEMS // T)
@@ -136,7 +137,7 @@ def _gae_torch(r, v, m, gamma, lam):
         mb = m[i:j]
         mf = mb.view(torch.uint8).to(r.dtype)                   # [b, T] 0/1 (uint8: fast cast)
         if ramp is not None:
-            cnt = mf.sum(1)                                     # = cnt T - cnt (cnt - 1) / 2:
+            cnt = mf.sum(1)
             holed = bool((torch.mv(mf, ramp) != cnt * (T + 0.5 - 0.5 * cnt)).any())
         else:
             holed = bool((mb[:, 1:] > mb[:, :-1]).any())         # a valid token after a masked one
@@ -187,7 +188,7 @@ def _pass_through_block(rb, vb, mf, gamma, g, ones, out_adv, out_ret):
     if W != T:  # pad with z = 0, d = 1: nothing enters, nothing decays
         d = torch.nn.functional.pad(d, (0, W - T), value=1.0)
         z = torch.nn.functional.pad(z, (0, W - T))
-    Q = torch.cumprod(d.view(b * C, L), 1, out=d.view(b * C, L))   # [bC, L] (in place of d)
+    Q = d.view(b * C, L).cumprod_(1)                            # [bC, L] (in place of d)
     S = torch.mm(z.view(b * C, L).mul_(Q), ones, out=out_adv.view(b * C, L) if W == T else None)
     if C > 1:
         S = S.view(b, C, L)
