@@ -30,10 +30,31 @@ def megarl(args, nproc: int = 1, timeout: int = 600, check: bool = True):
     return out
 
 
-def metrics(stage_dir: str) -> list[dict]:
+def metrics(stage_dir: str, wall_clock: bool = False) -> list[dict]:
+    """metrics.jsonl's records; without wall_clock, the "perf/" figures (step times, tokens/s),
+    which no two runs repeat, are left out so that runs can be compared exactly."""
     with open(os.path.join(stage_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        records = [json.loads(line) for line in f]
+    if wall_clock:
+        return records
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in records]
 
 
 def train_losses(stage_dir: str) -> list[float]:
     return [m["train/loss"] for m in metrics(stage_dir) if "train/loss" in m]
+
+
+def final_weights(stage_dir) -> dict:
+    """Every tensor of a stage's latest checkpoint (weights and optimizer state), read without
+    starting processes."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    stage_dir = str(stage_dir)
+    with open(os.path.join(stage_dir, "checkpoints", "latest")) as f:
+        latest = f.read().strip()
+    flat = os.path.join(stage_dir, "flat.pt")
+    dcp_to_torch_save(os.path.join(stage_dir, "checkpoints", latest), flat)
+    tensors = {k: v for k, v in torch.load(flat, weights_only=False).items() if isinstance(v, torch.Tensor)}
+    assert any(".model." in k for k in tensors)
+    return tensors

@@ -74,7 +74,7 @@ def test_skip_policy_summary_counts_each_kind_and_blank_lines(tmp_path, caplog):
     path = write_lines(tmp_path, lines)
     with caplog.at_level(logging.WARNING, logger="megarl.data"):
         ds = build_sft_dataset(path, TOK, seq_len=64, policy="skip")
-    expected = f"{path}: kept 5 of 9 records; skipped 2 invalid_json, 1 too_long, 1 unknown_role; 3 blank lines"
+    expected = f"{path}: kept 5 of 9 records; skipped 2 invalid_json, 1 too_long, 1 unknown_role; 3 blank lines (lines 8, 9, 12)"
     assert ds.report.summary() == expected
     assert expected in caplog.text
     assert ds.report.as_dict()["kept"] == 5
@@ -85,7 +85,7 @@ def test_blank_lines_are_counted_even_under_fail(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="megarl.data"):
         ds = build_sft_dataset(path, TOK, seq_len=64)
     assert len(ds) == 2 and ds.report.blank == 2
-    assert f"{path}: kept 2 of 2 records; 2 blank lines" in caplog.text
+    assert f"{path}: kept 2 of 2 records; 2 blank lines (lines 1, 3)" in caplog.text
 
 
 def test_missing_file_and_bad_policy_and_nothing_left(tmp_path):
@@ -95,7 +95,7 @@ def test_missing_file_and_bad_policy_and_nothing_left(tmp_path):
     with pytest.raises(DataError, match="unknown bad-record policy 'ignore'"):
         build_sft_dataset(write_lines(tmp_path, [GOOD]), TOK, seq_len=64, policy="ignore")
     path = write_lines(tmp_path, ["{x", ""], name="all_bad.jsonl")
-    with pytest.raises(DataError, match="kept 0 of 1 records; skipped 1 invalid_json; 1 blank line: no usable records"):
+    with pytest.raises(DataError, match="kept 0 of 1 records; skipped 1 invalid_json; 1 blank line \\(line 2\\): no usable records"):
         build_sft_dataset(path, TOK, seq_len=64, policy="skip")
 
 
@@ -158,6 +158,26 @@ def test_prompt_formats_and_gsm8k_answers(tmp_path):
     wrong = write_lines(tmp_path, [{"prompt": "p", "answer": [1]}], name="pw.jsonl")
     with pytest.raises(DataError, match=r":1: field 'answer' must be a string or number, got list"):
         build_prompt_dataset(wrong, TOK, max_prompt_len=64)
+
+
+def test_prompt_bare_strings_and_bad_prompts_named_by_line(tmp_path, caplog):
+    lines = ['"What is 2+2?"', {"prompt": "p", "answer": 3}, "", {"answer": "5"}, '"  "', "7",
+             {"question": "q", "answer": "Work.\n#### 1,000"}, "", "", "", "", "", "", '"last"']
+    path = write_lines(tmp_path, lines, name="rl.jsonl")
+    report = Report(path, "skip")
+    recs = read_prompts(path, report)
+    assert [(r.line, r.messages[0]["content"], r.answer) for r in recs] == [
+        (1, "What is 2+2?", None), (2, "p", "3"), (7, "q", "1000"), (14, "last", None)]
+    assert report.summary() == (f"{path}: kept 4 of 7 records; skipped 1 empty_field, 1 missing_field, "
+                                f"1 wrong_type; 7 blank lines (lines 3, 8, 9, 10, 11, ...)")
+    for bad, msg in [({"answer": "5"}, ":1: missing field 'prompt' \\(or GSM8K 'question'\\+'answer'\\)"),
+                     ('"  "', ":1: prompt string is empty"), ("7", ":1: expected a JSON object or string, got number"),
+                     ("[1]", ":1: expected a JSON object or string, got list")]:
+        with pytest.raises(DataError, match=msg):
+            read_prompts(write_lines(tmp_path, [bad], name="one.jsonl"), Report("x"))
+    ds = build_prompt_dataset(write_lines(tmp_path, ['"hi"', "", '"there"'], name="two.jsonl"), TOK,
+                              max_prompt_len=64)
+    assert len(ds) == 2 and ds.report.blank_lines == [2]
 
 
 def test_plain_text_prompt_file(tmp_path):

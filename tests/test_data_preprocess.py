@@ -10,7 +10,8 @@ from megarl.data.batching import DataIterator
 from megarl.data.datasets import build_preference_dataset, build_sft_dataset
 from megarl.data.errors import DataError
 from megarl.data.preprocess import load_preprocessed, preprocess, read_index
-from megarl.data.synthetic import Difficulty, write_synthetic_dataset
+from megarl.config import SyntheticConfig
+from megarl.data.synthetic import write_synthetic_dataset
 from megarl.data.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -19,8 +20,7 @@ TOK = ByteTokenizer()
 @pytest.fixture(scope="module")
 def syn(tmp_path_factory):
     root = tmp_path_factory.mktemp("syn")
-    paths = write_synthetic_dataset(str(root / "data"), n_train=120, n_test=10, seed=2,
-                                    difficulty=Difficulty(max_ops=3))
+    paths = write_synthetic_dataset(str(root / "data"), SyntheticConfig(n_train=120, n_test=10, max_ops=3), seed=2)
     with open(paths["train_sft.jsonl"], "a") as f:  # one record too long for seq_len 96, one blank line
         f.write("\n" + json.dumps({"prompt": "x" * 200, "completion": "y"}) + "\n")
     shards = {}

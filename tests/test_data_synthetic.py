@@ -9,7 +9,8 @@ from megarl.data import synthetic
 from megarl.data.answers import canonical_number, extract_answer, is_correct
 from megarl.data.datasets import build_preference_dataset, build_prompt_dataset, build_sft_dataset
 from megarl.data.errors import DataError
-from megarl.data.synthetic import Difficulty, generate_problems, wrong_solution, write_synthetic_dataset
+from megarl.config import SyntheticConfig
+from megarl.data.synthetic import generate_problems, wrong_solution, write_synthetic_dataset
 from megarl.data.tokenizer import ByteTokenizer
 
 
@@ -33,9 +34,9 @@ def test_extract_answer_and_is_correct():
 
 
 def test_problems_are_deterministic_and_solutions_check_out():
-    d = Difficulty(min_ops=1, max_ops=3, max_operand=12, ops="+-*")
-    a, b = generate_problems(200, seed=5, difficulty=d), generate_problems(200, seed=5, difficulty=d)
-    assert a == b and a != generate_problems(200, seed=6, difficulty=d)
+    d = SyntheticConfig(min_ops=1, max_ops=3, max_operand=12, ops="+-*")
+    a, b = generate_problems(200, seed=5, task=d), generate_problems(200, seed=5, task=d)
+    assert a == b and a != generate_problems(200, seed=6, task=d)
     assert len({p.question for p in a}) == 200
     for p in a:
         assert 1 <= len(p.steps) <= 3 and p.answer >= 0
@@ -43,7 +44,7 @@ def test_problems_are_deterministic_and_solutions_check_out():
         for left, op, right, result in p.steps:
             assert result == eval(f"{left}{op}{right}")  # noqa: S307 - our own digits and + - *
         for rejects in ("operand", "slip"):
-            wrong = wrong_solution(p, random.Random(0), Difficulty(ops="+-*", max_operand=12, rejects=rejects))
+            wrong = wrong_solution(p, random.Random(0), SyntheticConfig(ops="+-*", max_operand=12, rejects=rejects))
             assert extract_answer(wrong) is not None and not is_correct(wrong, p.answer)
             assert wrong.count("\n") == p.solution.count("\n")  # same shape: a mistake, not garbage
             arithmetic_right = all(eval(line.replace("=", "==")) for line in wrong.split("\n")[:-1])  # noqa: S307
@@ -59,10 +60,10 @@ def _operand_fallback(p):
 
 
 def test_operand_and_slip_rejects():
-    p = generate_problems(1, seed=3, difficulty=Difficulty(min_ops=1, max_ops=1, ops="+", max_operand=9))[0]
+    p = generate_problems(1, seed=3, task=SyntheticConfig(min_ops=1, max_ops=1, ops="+", max_operand=9))[0]
     (a, _, b, c), = p.steps
-    operand = wrong_solution(p, random.Random(1), Difficulty(rejects="operand"))
-    slip = wrong_solution(p, random.Random(1), Difficulty(rejects="slip"))
+    operand = wrong_solution(p, random.Random(1), SyntheticConfig(rejects="operand"))
+    slip = wrong_solution(p, random.Random(1), SyntheticConfig(rejects="slip"))
     left, rest = operand.split("\n")[0].split("+")
     b2, c2 = map(int, rest.split("="))
     assert int(left) == a and b2 != b and c2 == a + b2  # misread quantity, right arithmetic
@@ -72,21 +73,21 @@ def test_operand_and_slip_rejects():
 
 
 def test_difficulty_knobs_and_errors():
-    easy = generate_problems(50, seed=0, difficulty=Difficulty(min_ops=1, max_ops=1, max_operand=5, ops="+"))
+    easy = generate_problems(50, seed=0, task=SyntheticConfig(min_ops=1, max_ops=1, max_operand=5, ops="+"))
     assert all(len(p.steps) == 1 and p.steps[0][1] == "+" and p.answer <= 10 for p in easy)
     with pytest.raises(DataError, match="only .* distinct problems"):
-        generate_problems(10_000, seed=0, difficulty=Difficulty(min_ops=1, max_ops=1, max_operand=2, ops="+"))
+        generate_problems(10_000, seed=0, task=SyntheticConfig(min_ops=1, max_ops=1, max_operand=2, ops="+"))
     with pytest.raises(DataError, match="subset of"):
-        generate_problems(5, difficulty=Difficulty(ops="/"))
+        generate_problems(5, 0, task=SyntheticConfig(ops="/"))
     with pytest.raises(DataError, match="rejects must be one of operand, slip"):
-        generate_problems(5, difficulty=Difficulty(rejects="typo"))
+        generate_problems(5, 0, task=SyntheticConfig(rejects="typo"))
     with pytest.raises(DataError, match="min_ops <= max_ops"):
-        generate_problems(5, difficulty=Difficulty(min_ops=3, max_ops=2))
+        generate_problems(5, 0, task=SyntheticConfig(min_ops=3, max_ops=2))
 
 
 def test_write_dataset_files_split_and_loaders(tmp_path):
     out = tmp_path / "syn"
-    paths = write_synthetic_dataset(str(out), n_train=300, n_test=50, seed=1)
+    paths = write_synthetic_dataset(str(out), SyntheticConfig(n_train=300, n_test=50), seed=1)
     assert sorted(os.listdir(out)) == sorted(synthetic.FILES + ("meta.json",))
     sft_train, sft_test = read(paths["train_sft.jsonl"]), read(paths["test_sft.jsonl"])
     assert len(sft_train) == 300 and len(sft_test) == 50
@@ -100,7 +101,7 @@ def test_write_dataset_files_split_and_loaders(tmp_path):
             assert not is_correct(q["rejected"], p["answer"])
     # Same seed, same bytes (written again over the existing directory).
     before = {n: open(paths[n]).read() for n in synthetic.FILES}
-    write_synthetic_dataset(str(out), n_train=300, n_test=50, seed=1)
+    write_synthetic_dataset(str(out), SyntheticConfig(n_train=300, n_test=50), seed=1)
     assert before == {n: open(paths[n]).read() for n in synthetic.FILES}
     assert not [n for n in os.listdir(tmp_path) if n != "syn"]  # no temporary left behind
     # Default difficulty fits a 128-token byte-level context: nothing skipped.
@@ -117,7 +118,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(synthetic, "records", boom)
     with pytest.raises(RuntimeError):
-        write_synthetic_dataset(str(tmp_path / "syn"), n_train=10, n_test=2)
+        write_synthetic_dataset(str(tmp_path / "syn"), SyntheticConfig(n_train=10, n_test=2), seed=0)
     assert os.listdir(tmp_path) == []
 
 
@@ -136,3 +137,23 @@ def test_run_dir_task_is_written_once_and_guarded(tmp_path):
     with pytest.raises(ConfigError, match=r"other settings \(synthetic.rejects=operand\)") as e:
         _synthetic_task(load_config("configs/tiny_rm.yaml", [*base, "data.synthetic.rejects=slip"]), out)
     assert "\n" not in str(e.value) and sorted(os.listdir(out)) == before
+
+
+def test_cli_synthetic_defaults_write_the_stages_task(tmp_path):
+    """`megarl synthetic` with no flags writes, byte for byte, the task a stage run with the
+    default config writes to <run_dir>/data (same schema, same seed); a flag changes it."""
+    from megarl_run import megarl
+
+    from megarl.config import load_config
+    from megarl.trainers.data_setup import _synthetic_task
+
+    stage_dir = tmp_path / "stage"
+    _synthetic_task(load_config("configs/tiny_sft.yaml"), str(stage_dir))
+    megarl(["synthetic", "--out", str(tmp_path / "cli")])
+    megarl(["synthetic", "--out", str(tmp_path / "other"), "--seed", "7"])
+    for name in (*synthetic.FILES, "meta.json"):
+        stage = (stage_dir / name).read_bytes()
+        assert (tmp_path / "cli" / name).read_bytes() == stage, name
+        assert (tmp_path / "other" / name).read_bytes() != stage, name
+    out = megarl(["synthetic", "--out", str(tmp_path / "bad"), "--n-train", "-5"], check=False)
+    assert out.returncode == 2 and "n_train >= 1" in out.stderr and not (tmp_path / "bad").exists()

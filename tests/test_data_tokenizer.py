@@ -7,7 +7,7 @@ import pytest
 from megarl.data.chat import ChatTemplateError
 from megarl.data.datasets import build_sft_dataset
 from megarl.data.errors import DataError
-from megarl.data.testing import (CHATML_SYSTEM_TEMPLATE, CHATML_TEMPLATE, LLAMA3_TEMPLATE, UNSTABLE_TEMPLATE,
+from chat_templates import (CHATML_SYSTEM_TEMPLATE, CHATML_TEMPLATE, LLAMA3_TEMPLATE, UNSTABLE_TEMPLATE,
                                  make_tiny_hf_tokenizer)
 from megarl.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 

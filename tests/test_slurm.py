@@ -83,6 +83,17 @@ def wait_held(cluster, run_dir: Path, timeout: float = 240) -> str:
     return cluster.wait_for(ready, timeout, f"{run_dir.name} to be held mid-run")
 
 
+def test_one_sbatch_script_takes_the_stage():
+    """One job script for every stage (no per-stage copies to drift apart); a submission
+    without STAGE CONFIG stops at once with the usage line, before anything else runs."""
+    assert sorted(p.name for p in SBATCH.parent.glob("*.sbatch")) == ["megarl.sbatch"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    for args in ([], ["sft"], ["--"]):
+        out = subprocess.run(["bash", str(SBATCH), *args], capture_output=True, text=True, env=env, timeout=30)
+        assert out.returncode == 2, (args, out.stderr)
+        assert out.stderr.startswith("usage: sbatch [options] megarl.sbatch STAGE CONFIG"), (args, out.stderr)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     try:
@@ -195,8 +206,10 @@ def submit_trainer(cluster, workdir: Path, name: str) -> tuple[str, Path]:
 
 
 def trainer_metrics(run_dir: Path) -> list[dict]:
-    with open(run_dir / "sft" / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+    """metrics.jsonl without the wall-clock figures (perf/), which no two runs repeat."""
+    from megarl_run import metrics
+
+    return metrics(str(run_dir / "sft"))
 
 
 def mlflow_losses(run_dir: Path) -> tuple[str, list[float]]:

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from megarl_run import TINY, command, env, megarl, metrics, train_losses
+from megarl_run import TINY, command, env, final_weights, megarl, metrics, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -49,9 +49,13 @@ def test_reward_model_ranks_held_out_pairs_above_90_percent(tmp_path):
     megarl(sft_args(run, *EASY_PAIRS, "train.steps=300", "train.eval_interval=0", "sft.eval_samples=0"))
     megarl(rm_args(run, *EASY_PAIRS, "train.steps=300", "train.eval_interval=100", "train.eval_batches=6",
                    "optim.lr=1e-3", "lr_schedule.style=constant", "lr_schedule.warmup_steps=10"))
-    evals = [m for m in metrics(run / "reward_model") if "eval/accuracy" in m]
+    records = metrics(run / "reward_model")
+    evals = [m for m in records if "eval/accuracy" in m]
     assert [m["step"] for m in evals] == [100, 200, 300]
-    assert evals[0]["eval/accuracy"] < 0.9 < evals[-1]["eval/accuracy"], evals  # learnt, not given
+    assert evals[-1]["eval/accuracy"] > 0.9, evals
+    # learnt, not given: the fresh scalar head ranks the first training batches near chance
+    first = [m["train/accuracy"] for m in records if "train/accuracy" in m][:5]
+    assert sum(first) / len(first) < 0.75, first
     assert evals[-1]["eval/reward_gap"] > evals[0]["eval/reward_gap"] > 0
 
 
@@ -78,19 +82,6 @@ def test_tp2_and_pp2_match_tp1(tmp_path, stage):
 RESUME = ("train.steps=6", "train.eval_interval=3", "checkpoint.save_interval=2", "sft.eval_samples=0")
 
 
-def _final_weights(stage_dir):
-    """Every tensor of the latest checkpoint (weights and optimizer state), read without processes."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    latest = (stage_dir / "checkpoints" / "latest").read_text().strip()
-    flat = stage_dir / "flat.pt"
-    dcp_to_torch_save(str(stage_dir / "checkpoints" / latest), str(flat))
-    sd = torch.load(flat, weights_only=False)
-    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-    assert any(".model." in k for k in tensors)
-    return tensors
-
-
 def _start(args):
     return subprocess.Popen(command(args), env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -111,7 +102,7 @@ def _wait_for_step(stage_dir, step, proc, timeout=300):
 def uninterrupted(tmp_path_factory):
     run = tmp_path_factory.mktemp("full")
     megarl(sft_args(run, *RESUME))
-    return metrics(run / "sft"), _final_weights(run / "sft")
+    return metrics(run / "sft"), final_weights(run / "sft")
 
 
 def test_sigkill_then_resume_is_bit_exact(tmp_path, uninterrupted):
@@ -124,7 +115,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, uninterrupted):
     megarl(sft_args(run, *RESUME))
     ref_metrics, ref_weights = uninterrupted
     assert metrics(run / "sft") == ref_metrics  # every step's loss, lr, grad norm and eval, exactly
-    weights = _final_weights(run / "sft")
+    weights = final_weights(run / "sft")
     assert weights.keys() == ref_weights.keys()
     for k in ref_weights:
         assert torch.equal(weights[k], ref_weights[k]), k
@@ -158,7 +149,7 @@ def test_async_saves_preempt_and_resume_like_sync_saves(tmp_path, uninterrupted)
     megarl(args)
     ref_metrics, ref_weights = uninterrupted
     assert metrics(run / "sft") == ref_metrics
-    weights = _final_weights(run / "sft")
+    weights = final_weights(run / "sft")
     assert weights.keys() == ref_weights.keys() and all(torch.equal(weights[k], ref_weights[k]) for k in weights)
 
 
@@ -173,7 +164,7 @@ def test_rm_resume_after_sigkill_is_bit_exact(tmp_path):
     proc.wait()
     megarl(rm_args(run, *args))
     assert metrics(run / "reward_model") == metrics(full / "reward_model")
-    a, b = _final_weights(run / "reward_model"), _final_weights(full / "reward_model")
+    a, b = final_weights(run / "reward_model"), final_weights(full / "reward_model")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -23,9 +23,16 @@ import shutil
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from megarl.roles.offload import resident_during
+from megarl.runtime.distributed import barrier, is_rank0
+from megarl.utils.atomic import write_atomic
 
 MANIFEST = "megarl_manifest.json"
+# Which run wrote a checkpoint, per root: the keep-N cleanup deletes only checkpoints of the run
+# that is saving (a resumed run continues the id of the checkpoint it loaded), so a root shared
+# by mistake (a conversion into a run's checkpoints dir) never loses what another run wrote.
+_RUN_IDS: dict[str, str] = {}
 # The distributed optimizer's state in a format any DP size can load (megatron-core 0.16 rejects
 # the flattened-range default); the plain optimizer ignores it.
 OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -34,15 +41,6 @@ LATEST = "latest"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; str(e) names it and the last good one."""
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _layout() -> dict:
@@ -113,24 +111,11 @@ def _fsync_tree(path: str) -> dict:
     return files
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+@resident_during("roles")  # offloaded roles: resident while read, then as they were
 def save_checkpoint(root: str, step: int, roles: dict, state: dict, keep_last: int = 2, *,
                     async_queue=None, on_durable=None) -> str:
     """Save every role plus `state` as checkpoint `step` under `root`; collective.
@@ -145,15 +130,17 @@ def save_checkpoint(root: str, step: int, roles: dict, state: dict, keep_last: i
 
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
-    if _rank() == 0:
+    if is_rank0():
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash
         os.makedirs(tmp)
-    _barrier()
+    barrier()
     sd = _sharded_state_dict(roles, dict(state, step=step), _rng_state(), is_loading=False)
 
+    shapes = {n: model_shape(r.model_cfg) for n, r in roles.items() if getattr(r, "model_cfg", None) is not None}
+
     def publish():
-        _publish(root, tmp, final, step, sorted(roles), keep_last)
+        _publish(root, tmp, final, step, sorted(roles), keep_last, shapes)
         if on_durable is not None:
             on_durable(final)
 
@@ -168,19 +155,85 @@ def save_checkpoint(root: str, step: int, roles: dict, state: dict, keep_last: i
     return final
 
 
-def _publish(root: str, tmp: str, final: str, step: int, role_names: list, keep_last: int) -> None:
+def run_id_for(root: str) -> str:
+    """The id this process's run stamps on checkpoints under `root` (see _RUN_IDS)."""
+    import uuid
+
+    return _RUN_IDS.setdefault(os.path.abspath(root), uuid.uuid4().hex)
+
+
+# ModelConfig fields that fix the saved tensors' shapes (the rest: numerics, init, impl).
+SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
+              "vocab_size", "qkv_bias", "qk_norm", "tie_embeddings")
+
+
+def model_shape(model_cfg) -> dict:
+    """The shape-defining fields of a ModelConfig, with null defaults resolved."""
+    shape = {k: getattr(model_cfg, k) for k in SHAPE_KEYS}
+    shape["num_kv_heads"] = shape["num_kv_heads"] or model_cfg.num_attention_heads
+    shape["head_dim"] = shape["head_dim"] or model_cfg.hidden_size // max(model_cfg.num_attention_heads, 1)
+    return shape
+
+
+def check_model_shape(path: str, manifest: dict, saved_role: str, role) -> None:
+    """CheckpointError naming every shape field where the checkpoint's model and `role`'s differ
+    (instead of megatron's multi-line global shape mismatch). Checkpoints without the record pass."""
+    saved = (manifest.get("models") or {}).get(saved_role)
+    if saved is None or getattr(role, "model_cfg", None) is None:
+        return
+    want = model_shape(role.model_cfg)
+    diff = [f"{k}={saved[k]} (config: {want[k]})" for k in SHAPE_KEYS if k in saved and saved[k] != want[k]]
+    if diff:
+        raise CheckpointError(f"{path}: the saved model does not match the configured one: model."
+                              + ", model.".join(diff) + "; use the model section it was saved with")
+
+
+def _load_one_line(load, path: str):
+    """dist_checkpointing.load, with a shape mismatch reported in one line."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    try:
+        return load()
+    except CheckpointingException as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if "shape" in ln.lower()), str(e).splitlines()[0])
+        raise CheckpointError(f"{path}: does not fit the configured model ({first[:300]})") from None
+
+
+def _publish(root: str, tmp: str, final: str, step: int, role_names: list, keep_last: int,
+             shapes: dict | None = None) -> None:
     """Make the written `tmp` durable and the newest checkpoint: fsync, manifest, rename, latest."""
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    if is_rank0():
+        run = run_id_for(root)
         files = _fsync_tree(tmp)
-        manifest = {"step": step, "layout": _layout(), "roles": role_names, "files": files}
-        _write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
+        manifest = {"step": step, "layout": _layout(), "roles": role_names, "files": files, "run": run,
+                    "models": shapes or {}}
+        write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _write_atomic(os.path.join(root, LATEST), step_dir_name(step) + "\n")
-        for old in list_checkpoints(root)[:-keep_last]:
+        write_atomic(os.path.join(root, LATEST), step_dir_name(step) + "\n")
+        for old in stale_checkpoints(root, run, step, keep_last):
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    _barrier()
+    barrier()
+
+
+def _manifest_run(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            return json.load(f).get("run")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def stale_checkpoints(root: str, run: str, newest_step: int, keep_last: int) -> list[str]:
+    """What keep-N cleanup may delete after `run` saved step `newest_step`: checkpoints `run`
+    wrote, older than that step, beyond the newest `keep_last` of them; never the one `latest`
+    names, never one another run (or an older megarl without run ids) wrote."""
+    pointer = os.path.join(root, LATEST)
+    named = open(pointer).read().strip() if os.path.isfile(pointer) else None
+    ours = [n for n in list_checkpoints(root) if _manifest_run(os.path.join(root, n)) == run]
+    ours = [n for n in ours if n <= step_dir_name(newest_step)]
+    return [n for n in ours[:-keep_last] if n != named] if keep_last > 0 else []
 
 
 def list_checkpoints(root: str) -> list[str]:
@@ -193,6 +246,10 @@ def list_checkpoints(root: str) -> list[str]:
 def verify_checkpoint(path: str) -> dict:
     """The manifest of a complete, intact checkpoint; CheckpointError otherwise."""
     mpath = os.path.join(path, MANIFEST)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such checkpoint (expected a step directory or a root with '{LATEST}')")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: is a file, not a checkpoint directory")
     if not os.path.isfile(mpath):
         raise CheckpointError(f"{path}: incomplete checkpoint (no {MANIFEST}; the save did not finish)")
     try:
@@ -236,6 +293,16 @@ def latest_checkpoint(root: str) -> str | None:
     return path
 
 
+def resolve_checkpoint(path: str) -> str:
+    """The step directory `path` stands for: the one its `latest` pointer names (verified) when
+    `path` is a checkpoint root, else `path` itself (a step dir, verified when it is loaded).
+    The one place a `latest` pointer or a step dir given by a user is resolved."""
+    if os.path.isfile(os.path.join(path, LATEST)):
+        return latest_checkpoint(path)
+    return path
+
+
+@resident_during("roles")
 def load_checkpoint(path: str, roles: dict, *, load_optimizer: bool = True) -> dict:
     """Load roles (any layout) from a verified checkpoint; returns the saved `state` dict."""
     from megatron.core import dist_checkpointing
@@ -243,9 +310,13 @@ def load_checkpoint(path: str, roles: dict, *, load_optimizer: bool = True) -> d
     from megarl.models.layout import unwrap
 
     manifest = verify_checkpoint(path)
+    if manifest.get("run") and is_rank0():  # a resumed run goes on cleaning up its own checkpoints
+        _RUN_IDS[os.path.abspath(os.path.dirname(os.path.normpath(path)))] = manifest["run"]
     missing = sorted(set(roles) - set(manifest["roles"]))
     if missing:
         raise CheckpointError(f"{path}: has no role(s) {', '.join(missing)} (saved: {', '.join(manifest['roles'])})")
+    for name, role in roles.items():
+        check_model_shape(path, manifest, name, role)
     same_layout = manifest["layout"] == _layout()
     wanted = {n: r for n, r in roles.items()}
     sd = _sharded_state_dict(wanted, {}, _rng_state() if same_layout else None, is_loading=True)
@@ -254,7 +325,7 @@ def load_checkpoint(path: str, roles: dict, *, load_optimizer: bool = True) -> d
             if isinstance(entry, dict):
                 entry.pop("optimizer", None)
                 entry.pop("scheduler", None)
-    loaded = dist_checkpointing.load(sd, path)
+    loaded = _load_one_line(lambda: dist_checkpointing.load(sd, path), path)
     for name, role in roles.items():
         prefix = f"{name}.model."
         weights = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in loaded[name]["model"].items()}
@@ -267,6 +338,7 @@ def load_checkpoint(path: str, roles: dict, *, load_optimizer: bool = True) -> d
     return loaded["state"]
 
 
+@resident_during("role")
 def load_weights(path: str, role, *, saved_role: str | None = None, skip_head: bool = False) -> None:
     """Model weights only (no optimizer) from a checkpoint, into `role` at any layout.
 
@@ -284,14 +356,17 @@ def load_weights(path: str, role, *, saved_role: str | None = None, skip_head: b
         saved_role = manifest["roles"][0]
     if saved_role not in manifest["roles"]:
         raise CheckpointError(f"{path}: has no role {saved_role} (saved: {', '.join(manifest['roles'])})")
+    check_model_shape(path, manifest, saved_role, role)
     prefix = f"{saved_role}.model."
     model = unwrap(role.model)
     sd = model.sharded_state_dict(prefix=prefix)
     if skip_head:
         sd = {k: v for k, v in sd.items() if not k[len(prefix):].startswith("output_layer.")}
-    loaded = dist_checkpointing.load(sd, path)
+    loaded = _load_one_line(lambda: dist_checkpointing.load(sd, path), path)
     weights = {k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)}
     result = model.load_state_dict(weights, strict=False)
     missing = [k for k in result.missing_keys if not (skip_head and k.startswith("output_layer."))]
     if missing or result.unexpected_keys:
         raise CheckpointError(f"{path}: weights do not fit this model (missing {missing}, unexpected {result.unexpected_keys})")
+    if getattr(role, "optimizer", None) is not None:  # bf16/fp16: fp32 main params would undo the load at the next step
+        role.optimizer.reload_model_params()

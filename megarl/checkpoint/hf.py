@@ -543,7 +543,7 @@ def save_hf_checkpoint(out_dir: str, model_cfg: ModelConfig, canonical: dict[str
     """
     from safetensors.torch import save_file
 
-    from megarl.data.atomic import atomic_directory
+    from megarl.utils.atomic import atomic_directory
 
     out_dir = os.path.abspath(os.fspath(out_dir))
     config = model_config_to_hf_config(model_cfg, arch)
@@ -562,7 +562,7 @@ def save_hf_checkpoint(out_dir: str, model_cfg: ModelConfig, canonical: dict[str
         if not tokenizer_files:
             raise ValueError(f"{tokenizer_dir}: no tokenizer files ({_names(TOKENIZER_FILES)})")
     if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise FileExistsError(f"{out_dir}: exists and is not empty (pass overwrite=True to replace it)")
+        raise FileExistsError(f"{out_dir}: exists and is not empty (refusing to replace it; overwrite=True, or --overwrite on the command line, does)")
 
     hf, storages = {}, set()
     for n, t in canonical_to_hf(model_cfg, canonical).items():

@@ -1,7 +1,9 @@
 """`megarl convert`: Hugging Face directories <-> megarl checkpoints.
 
 hf-to-megarl writes a one-role checkpoint (weights only) that any stage can start from with
-`model.init_from: <out>`, plus `<out>/model.yaml`, the `model:` section matching the weights.
+`model.init_from: <out>`, plus `<out>/config.yaml`, the `model:` section matching the weights
+(the file megarl-to-hf reads next to a checkpoint, as it reads a stage's config.yaml).
+Both refuse a non-empty destination unless given --overwrite.
 megarl-to-hf gathers a checkpoint's weights (whatever layout saved them) into an HF directory.
 Both run as a single process: resharding is dist_checkpointing's job, not the converter's.
 """
@@ -13,6 +15,7 @@ import os
 import yaml
 
 from megarl.config import ConfigError, load_config
+from megarl.utils.atomic import write_atomic
 
 
 def _single_process():
@@ -21,7 +24,19 @@ def _single_process():
     init_distributed(1, 1, 1, seed=0)
 
 
-def hf_to_megarl(hf_dir: str, out: str, role_name: str = "sft") -> str:
+CONFIG_NAME = "config.yaml"
+LEGACY_CONFIG_NAME = "model.yaml"  # what hf-to-megarl wrote before it wrote config.yaml
+
+
+def _check_destination(out: str, overwrite: bool) -> None:
+    """A writing command's destination: absent or an empty directory, or --overwrite."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out {out}: is a file, not a directory")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise ConfigError(f"--out {out}: exists and is not empty; choose a new directory or pass --overwrite to replace it")
+
+
+def hf_to_megarl(hf_dir: str, out: str, role_name: str = "sft", overwrite: bool = False) -> str:
     from megarl.checkpoint.distributed import save_checkpoint
     from megarl.checkpoint.hf import load_hf_checkpoint
     from megarl.config import ParallelConfig
@@ -29,15 +44,20 @@ def hf_to_megarl(hf_dir: str, out: str, role_name: str = "sft") -> str:
     from megarl.roles.role import Role
     from megarl.runtime.distributed import teardown
 
+    _check_destination(out, overwrite)
     model_cfg, weights = load_hf_checkpoint(hf_dir)
+    if overwrite and os.path.isdir(out):
+        import shutil
+
+        shutil.rmtree(out)
     _single_process()
     try:
         role = Role(role_name, model_cfg, ParallelConfig())
         load_full_state_dict(role.model, weights, model_cfg.vocab_size)
         del weights
         path = save_checkpoint(out, 0, {role_name: role}, {"source": os.path.abspath(hf_dir)}, keep_last=1)
-        with open(os.path.join(out, "model.yaml"), "w") as f:
-            yaml.safe_dump({"model": dataclasses.asdict(model_cfg)}, f, sort_keys=False)
+        write_atomic(os.path.join(out, CONFIG_NAME),
+                     yaml.safe_dump({"model": dataclasses.asdict(model_cfg)}, sort_keys=False))
         return path
     finally:
         teardown()
@@ -47,31 +67,37 @@ def _config_for(checkpoint: str, config: str | None, overrides) -> str:
     """The stage's config.yaml next to its checkpoints unless one is given."""
     if config:
         return config
-    for up in (os.path.join(checkpoint, "..", "config.yaml"), os.path.join(checkpoint, "..", "..", "config.yaml")):
-        if os.path.isfile(up):
-            return os.path.normpath(up)
-    raise ConfigError(f"{checkpoint}: no config.yaml next to it; pass --config with the model section")
+    for where in (checkpoint, os.path.join(checkpoint, ".."), os.path.join(checkpoint, "..", "..")):
+        for name in (CONFIG_NAME, LEGACY_CONFIG_NAME):
+            if os.path.isfile(os.path.join(where, name)):
+                return os.path.normpath(os.path.join(where, name))
+    raise ConfigError(f"{checkpoint}: no {CONFIG_NAME} next to it; pass --config with the model section")
 
 
-def megarl_to_hf(checkpoint: str, out: str, arch: str, config: str | None, overrides=(), tokenizer: str | None = None) -> None:
-    from megarl.checkpoint.distributed import latest_checkpoint, load_weights
+def megarl_to_hf(checkpoint: str, out: str, arch: str, config: str | None, overrides=(), tokenizer: str | None = None,
+                 overwrite: bool = False) -> None:
+    from megarl.checkpoint.distributed import load_weights, resolve_checkpoint
     from megarl.checkpoint.hf import save_hf_checkpoint
     from megarl.config import ParallelConfig
     from megarl.models.layout import gather_full_state_dict
     from megarl.roles.role import Role
     from megarl.runtime.distributed import teardown
 
+    from megarl.checkpoint.distributed import verify_checkpoint
+
+    _check_destination(out, overwrite)
+    if not os.path.exists(checkpoint):
+        raise ConfigError(f"--checkpoint {checkpoint}: no such checkpoint (a step directory or a root with 'latest')")
+    path = resolve_checkpoint(checkpoint)
+    verify_checkpoint(path)  # before any config is looked for: a broken checkpoint is named as such
     cfg = load_config(_config_for(checkpoint, config, overrides), overrides)
-    path = latest_checkpoint(checkpoint) if os.path.isfile(os.path.join(checkpoint, "latest")) else checkpoint
-    if path is None:
-        raise ConfigError(f"{checkpoint}: no checkpoint")
     tok_dir = tokenizer or (cfg.tokenizer.path if cfg.tokenizer.kind == "hf" else None)
     _single_process()
     try:
         role = Role("export", cfg.model, ParallelConfig())
         load_weights(path, role)
         canonical = gather_full_state_dict(role.model, cfg.model.vocab_size)
-        save_hf_checkpoint(out, cfg.model, canonical, arch, tokenizer_dir=tok_dir)
+        save_hf_checkpoint(out, cfg.model, canonical, arch, tokenizer_dir=tok_dir, overwrite=overwrite)
     finally:
         teardown()
 
@@ -83,12 +109,13 @@ ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen
 def run(args) -> int:
     try:
         if args.direction == "hf-to-megarl":
-            path = hf_to_megarl(args.hf, args.out, args.role)
-            print(f"wrote {path} (model section: {os.path.join(args.out, 'model.yaml')})")
+            path = hf_to_megarl(args.hf, args.out, args.role, overwrite=args.overwrite)
+            print(f"wrote {path} (model section: {os.path.join(args.out, CONFIG_NAME)})")
         else:
-            megarl_to_hf(args.checkpoint, args.out, ARCH[args.arch], args.config, args.overrides, args.tokenizer)
+            megarl_to_hf(args.checkpoint, args.out, ARCH[args.arch], args.config, args.overrides, args.tokenizer,
+                         overwrite=args.overwrite)
             print(f"wrote {args.out}")
-    except (ValueError, FileExistsError) as e:  # hf.py reports unsupported or broken inputs by name
+    except (ValueError, FileExistsError, NotADirectoryError) as e:  # hf.py reports unsupported or broken inputs by name
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(str(e)) from e

@@ -2,6 +2,9 @@
 
     megarl sft --config configs/tiny_sft.yaml optim.lr=1e-4 parallel.tp=2
     megarl rm  --config configs/tiny_rm.yaml
+    megarl rl  --config configs/tiny_grpo.yaml
+    megarl pipeline --config configs/tiny_pipeline.yaml [--stages rm,rl]
+    megarl eval --config configs/tiny_grpo.yaml [--checkpoint runs/x/rl/checkpoints | --hf DIR]
     megarl validate --config configs/x.yaml --world-size 8
     megarl preprocess --input data.jsonl --out shards/ --kind sft --config configs/x.yaml
     megarl synthetic --out data/
@@ -36,33 +39,55 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p = sub.add_parser("rm", help="reward-model training (pairwise Bradley-Terry)")
     _config_args(p)
+    p = sub.add_parser("rl", help="RL on colocated roles: GRPO, PPO (critic + GAE), RLOO, REINFORCE(++)")
+    _config_args(p)
+    p = sub.add_parser("pipeline", help="SFT -> reward model -> RL in one run dir from one config",
+                       description="Shared sections apply to every stage; stages.<sft|rm|rl> hold each stage's own "
+                                   "values. Overrides: key=value (shared) or stages.<stage>.key=value.")
+    p.add_argument("--stages", default="sft,rm,rl", help="comma-separated subset, in pipeline order (default: all)")
+    _config_args(p)
+    p = sub.add_parser("eval", help="pass@1 / pass@k / mean@k of a model on held-out prompts (sampled)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--checkpoint", default=None,
+                     help="a megarl checkpoint (step dir or root with 'latest'), or a stage name: sft, rl "
+                          "(default: sft of train.run_dir)")
+    src.add_argument("--hf", default=None, help="a Hugging Face model directory")
+    _config_args(p)
     p = sub.add_parser("validate", help="check a config against a world size, without running")
     _config_args(p)
     p.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
+    p.add_argument("--stage", choices=["sft", "rm", "rl"], default=None,
+                   help="also check that stage's own rules (rl: batch split, sequence lengths, rewards)")
     p = sub.add_parser("preprocess", help="tokenize JSONL into numpy shards (for data.loader=dali)")
     p.add_argument("--input", required=True, help="JSONL file (SFT or preference records)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--kind", required=True, choices=["sft", "preferences"])
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     _config_args(p, required=False)
-    p = sub.add_parser("synthetic", help="write the seeded synthetic arithmetic task (SFT, preferences, prompts)")
+    p = sub.add_parser("synthetic", help="write the seeded synthetic arithmetic task (SFT, preferences, prompts)",
+                       description="Writes the task a stage with the same config writes to <run_dir>/data: "
+                                   "data.synthetic and seed data.seed (else train.seed) of --config, or of "
+                                   "the defaults. The flags below override those.")
     p.add_argument("--out", required=True)
-    p.add_argument("--n-train", type=int, default=2000)
-    p.add_argument("--n-test", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rejects", choices=["operand", "slip"], default="operand",
-                   help="the preference pairs' kind of mistake (default: operand)")
+    p.add_argument("--n-train", type=int, default=None, help="default: data.synthetic.n_train")
+    p.add_argument("--n-test", type=int, default=None, help="default: data.synthetic.n_test")
+    p.add_argument("--seed", type=int, default=None, help="default: data.seed, else train.seed (as the stages)")
+    p.add_argument("--rejects", choices=["operand", "slip"], default=None,
+                   help="the preference pairs' kind of mistake (default: data.synthetic.rejects)")
+    _config_args(p, required=False)
     p = sub.add_parser("convert", help="Hugging Face <-> megarl weights")
     conv = p.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     c = conv.add_parser("hf-to-megarl", help="an HF Llama/Qwen2/Qwen3/Mistral directory -> a megarl checkpoint")
     c.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     c.add_argument("--out", required=True, help="megarl checkpoint root to write")
     c.add_argument("--role", default="sft", help="role name inside the checkpoint (default: sft)")
+    c.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: refuse)")
     c = conv.add_parser("megarl-to-hf", help="a megarl checkpoint -> an HF directory")
     c.add_argument("--checkpoint", required=True, help="megarl checkpoint (a step dir or a root with 'latest')")
     c.add_argument("--out", required=True, help="HF directory to write (atomically)")
     c.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "mistral"])
     c.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied along")
+    c.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: refuse)")
     _config_args(c, required=False)
     p = sub.add_parser("report", help="PNG plots and a markdown summary of a run from MLflow")
     p.add_argument("run_dir")
@@ -72,26 +97,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args):
     from megarl.config import load_config, validate_config
-    from megarl.runtime.distributed import world_size_from_env
 
     cfg = load_config(args.config, args.overrides)
-    world = getattr(args, "world_size", None) or world_size_from_env()
-    validate_config(cfg, world)
+    world = _world(args)
+    stage = getattr(args, "stage", None) or {"rl": "rl", "eval": "rl"}.get(args.command)
+    validate_config(cfg, world, stage=stage)
     return cfg
 
 
+def _world(args) -> int:
+    """--world-size when given (0 and negatives are checked, not replaced), else the environment's."""
+    from megarl.runtime.distributed import world_size_from_env
+
+    given = getattr(args, "world_size", None)
+    return given if given is not None else world_size_from_env()
+
+
 def run(args) -> int:
-    if args.command in ("sft", "rm"):
+    if args.command in ("sft", "rm", "rl"):
         cfg = _load(args)
         if args.command == "sft":
             from megarl.trainers.sft import main
-        else:
+        elif args.command == "rm":
             from megarl.trainers.reward_model import main
+        else:
+            from megarl.trainers.rl import main
         main(cfg)
+        return 0
+    if args.command == "pipeline":
+        from megarl.trainers.pipeline import run_pipeline
+
+        run_pipeline(args.config, args.overrides, [x.strip() for x in args.stages.split(",") if x.strip()])
+        return 0
+    if args.command == "eval":
+        from megarl.trainers.evaluate import run_eval
+
+        run_eval(_load(args), checkpoint=args.checkpoint, hf=args.hf)
         return 0
     if args.command == "validate":
         cfg = _load(args)
-        print(f"{args.config}: valid for world size {args.world_size or 'from environment'}")
+        world = _world(args)
+        source = "--world-size" if args.world_size is not None else "$WORLD_SIZE or 1"
+        print(f"{args.config}: valid for world size {world} ({source})")
         del cfg
         return 0
     if args.command == "preprocess":
@@ -105,11 +152,17 @@ def run(args) -> int:
         print(f"wrote {args.out}: {index}")
         return 0
     if args.command == "synthetic":
-        from megarl.data import write_synthetic_dataset
-        from megarl.data.synthetic import Difficulty
+        import dataclasses
 
-        files = write_synthetic_dataset(args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed,
-                                        difficulty=Difficulty(rejects=args.rejects))
+        from megarl.config import load_config
+        from megarl.data.synthetic import check_task, write_synthetic_dataset
+        from megarl.trainers.data_setup import data_seed
+
+        cfg = load_config(args.config, args.overrides)
+        flags = {"n_train": args.n_train, "n_test": args.n_test, "rejects": args.rejects}
+        task = dataclasses.replace(cfg.data.synthetic, **{k: v for k, v in flags.items() if v is not None})
+        seed = data_seed(cfg) if args.seed is None else args.seed
+        files = write_synthetic_dataset(args.out, check_task(task), seed)
         print("\n".join(sorted(files.values())))
         return 0
     if args.command == "convert":
@@ -153,7 +206,7 @@ def main(argv=None) -> int:
         if debug:
             raise
         if _rank() == 0 or not isinstance(e, ConfigError):  # config errors are the same on every rank
-            msg = str(e) if not isinstance(e, FileNotFoundError) else f"{e.filename}: no such file"
+            msg = f"{e.filename}: no such file" if isinstance(e, FileNotFoundError) and e.filename else str(e)
             print(f"megarl: error: {msg}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

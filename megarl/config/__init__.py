@@ -1,18 +1,18 @@
 """Typed configuration: schema (dataclasses), YAML loading with overrides, validation."""
 from megarl.config.loader import (
-    ConfigError, config_to_dict, config_to_yaml, flatten, load_config, save_config,
+    ConfigError, config_to_dict, config_to_yaml, load_config, save_config,
 )
 from megarl.config.schema import (
     CheckpointConfig, Config, DataConfig, LauncherConfig, LRScheduleConfig, ModelConfig,
     OffloadConfig, OptimConfig, ParallelConfig, RewardModelConfig, RoleConfig, RolesConfig,
-    SFTConfig, TokenizerConfig,
+    SFTConfig, SyntheticConfig, TokenizerConfig,
     TrackingConfig, TrainConfig,
 )
 from megarl.config.validate import check_config, data_parallel_size, has_module, validate_config
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "LRScheduleConfig", "LauncherConfig", "ModelConfig",
-    "OffloadConfig", "OptimConfig", "ParallelConfig", "RewardModelConfig", "RoleConfig", "RolesConfig", "SFTConfig",
+    "OffloadConfig", "OptimConfig", "ParallelConfig", "RewardModelConfig", "RoleConfig", "RolesConfig", "SFTConfig", "SyntheticConfig",
     "TokenizerConfig", "TrackingConfig", "TrainConfig", "check_config", "config_to_dict", "config_to_yaml",
-    "data_parallel_size", "flatten", "has_module", "load_config", "save_config", "validate_config",
+    "data_parallel_size", "has_module", "load_config", "save_config", "validate_config",
 ]

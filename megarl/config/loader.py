@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
-import tempfile
 import typing
 from typing import Any, Literal, Union
 
 import yaml
 
 from megarl.config.schema import Config
+from megarl.config.shipped import resolve_config_path, shipped_configs
+from megarl.utils.atomic import write_atomic
 
 
 _SCI_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -29,18 +31,43 @@ class ConfigError(ValueError):
 # YAML with `extends:`
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key, mark):
+        super().__init__()
+        self.key, self.problem_mark = key, mark
+        self.problem = f"key '{key}' is given twice (YAML would silently keep the last)"
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(key, key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _StrictLoader.construct_mapping)
+
+
 def read_yaml(path: str, _chain: tuple = ()) -> dict:
     """Read a YAML mapping; `extends: base.yaml` (or a list) is merged underneath it."""
     path = os.path.abspath(path)
     if path in _chain:
         cycle = " -> ".join(os.path.basename(p) for p in (*_chain, path))
         raise ConfigError(f"{path}: 'extends' cycle: {cycle}")
+    if os.path.isdir(path):
+        raise ConfigError(f"{path}: is a directory, not a config file")
     if not os.path.isfile(path):
-        where = f" (extended by {_chain[-1]})" if _chain else ""
+        where = f" (extended by {_chain[-1]})" if _chain else f" (shipped configs: {', '.join(shipped_configs())})"
         raise ConfigError(f"{path}: config file not found{where}")
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_StrictLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
@@ -84,11 +111,13 @@ def apply_override(data: dict, override: str) -> dict:
     parts = key.split(".")
     if not sep or not key or any(not p or p != p.strip() for p in parts):
         raise ConfigError(f"override '{override}': expected section.key=value (e.g. optim.lr=1e-5)")
-    _check_path(Config, parts, f"override '{override}'")
+    leaf_type = _check_path(Config, parts, f"override '{override}'")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         raise ConfigError(f"override '{override}': value '{raw}' is not valid YAML") from None
+    if not dataclasses.is_dataclass(_dataclass_in(leaf_type)):  # a wrong type is the override's fault, not the file's
+        _coerce(leaf_type, value, f"override '{override}'", key)
     node = data
     for p in parts[:-1]:
         if not isinstance(node.get(p), dict):
@@ -98,15 +127,19 @@ def apply_override(data: dict, override: str) -> dict:
     return data
 
 
-def _check_path(cls, parts: list[str], where: str) -> None:
-    """Reject an override naming a key the schema does not have, before anything runs."""
+def _check_path(cls, parts: list[str], where: str):
+    """Reject an override naming a key the schema does not have, before anything runs; returns
+    the schema type of the key it names."""
+    tp = cls
     for i, p in enumerate(parts):
         hints = typing.get_type_hints(cls)
         if p not in hints:
             raise ConfigError(f"{where}: unknown key '{'.'.join(parts[: i + 1])}'{_suggest(p, hints, parts[:i])}")
-        cls = _dataclass_in(hints[p])
+        tp = hints[p]
+        cls = _dataclass_in(tp)
         if cls is None and i < len(parts) - 1:
             raise ConfigError(f"{where}: '{'.'.join(parts[: i + 1])}' is a value, not a section")
+    return tp
 
 
 def _suggest(key: str, valid, prefix: list[str]) -> str:
@@ -166,9 +199,11 @@ def _coerce(tp, value, where: str, key: str):
         return value
     if tp is float:
         if isinstance(value, str) and _SCI_FLOAT.fullmatch(value.strip()):
-            return float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
+            value = float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: '{key}' expects a float; got {_show(value)}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: '{key}' must be a finite number; got {value}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -190,10 +225,29 @@ def _show(value) -> str:
 
 def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> Config:
     """The resolved, type-checked config (cross-field validation is `validate_config`)."""
-    data = read_yaml(path) if path else {}
+    data = read_yaml(resolve_config_path(path)) if path else {}
     for o in overrides:
         data = apply_override(data, o)
-    return build(Config, data, path or "config")
+    return build(Config, inherit_role_sections(data), path or "config")
+
+
+ROLE_SECTIONS = ("model", "optim", "lr_schedule")
+
+
+def inherit_role_sections(data: dict) -> dict:
+    """roles.<name>.<section> given in part takes its other fields from the top-level section
+    (as written, so file and override values, not schema defaults, are inherited)."""
+    roles = data.get("roles")
+    if not isinstance(roles, dict):
+        return data
+    for role in roles.values():
+        if not isinstance(role, dict):
+            continue  # build() reports the type error with its key
+        for section in ROLE_SECTIONS:
+            top = data.get(section)
+            if isinstance(role.get(section), dict) and isinstance(top, dict):
+                role[section] = deep_merge(top, role[section])
+    return data
 
 
 def config_to_dict(cfg) -> dict:
@@ -206,19 +260,4 @@ def config_to_yaml(cfg) -> str:
 
 def save_config(cfg, path: str) -> None:
     """Write the resolved config atomically (a reader never sees half a file)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(config_to_yaml(cfg))
-    os.replace(tmp, path)
-
-
-def flatten(d: dict, prefix: str = "") -> dict:
-    """{'optim': {'lr': 1}} -> {'optim.lr': 1}; used for tracking params."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+    write_atomic(path, config_to_yaml(cfg))

@@ -46,7 +46,7 @@ class ParallelConfig:
     cp: int = 1  # context parallel
     dp: Optional[int] = None  # None: world_size // (tp * pp * cp); if set it must match
     sequence_parallel: bool = False
-    distributed_optimizer: bool = False  # shard optimizer state over DP (needs NCCL)
+    distributed_optimizer: bool = False  # shard optimizer state over DP (ZeRO-1; NCCL or gloo)
 
 
 @dataclass
@@ -80,11 +80,22 @@ class OffloadConfig:
 
 @dataclass
 class RoleConfig:
-    """One of the four RL roles. Unset sections inherit the top-level ones."""
+    """One of the four RL roles (actor, reference, critic, reward).
 
-    enabled: bool = False
+    Unset fields inherit the top-level ones, field by field: `roles.critic.optim.lr=1e-5`
+    changes only the critic's lr and keeps every other top-level optim value (the loader
+    merges; `role_config(cfg, name)` gives the resolved view).
+    """
+
     model: Optional[ModelConfig] = None
     optim: Optional[OptimConfig] = None
+    lr_schedule: Optional[LRScheduleConfig] = None
+    precision: Optional[Literal["fp32", "bf16", "fp16"]] = None  # None: train.precision
+    # Where the weights start: "sft" / "reward_model" (that stage's latest checkpoint in this
+    # run dir), a megarl checkpoint path, a Hugging Face directory, or "random" (train.seed's
+    # initialisation). None: the role's default (actor and reference: sft; critic and reward:
+    # reward_model).
+    init_from: Optional[str] = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
 
@@ -104,7 +115,8 @@ class TokenizerConfig:
 
 @dataclass
 class SyntheticConfig:
-    """The built-in arithmetic task (megarl.data.synthetic), written to <run_dir>/data."""
+    """The built-in arithmetic task (megarl.data.synthetic), written to <run_dir>/data with seed
+    data.seed (else train.seed); its one schema, also used by `megarl synthetic`."""
 
     n_train: int = 2000
     n_test: int = 200
@@ -190,6 +202,64 @@ class RewardModelConfig:
 
 
 @dataclass
+class RLConfig:
+    """The RL stage (`megarl rl`): rollouts on the actor, scoring, advantages, PPO-style updates.
+
+    One loop step = `prompts_per_step` prompts x `samples_per_prompt` samples, generated, scored
+    and trained on for `ppo_epochs` x `mini_batches` optimizer steps per trained role.
+    """
+
+    algorithm: Literal["grpo", "ppo", "rloo", "reinforce", "reinforce_pp"] = "grpo"
+    prompts_path: Optional[str] = None  # None: the synthetic task's train prompts
+    eval_prompts_path: Optional[str] = None  # None: the synthetic task's held-out prompts
+    prompts_per_step: int = 8  # global, over all DP ranks
+    samples_per_prompt: int = 4  # the group size of GRPO / RLOO
+    max_prompt_len: int = 64
+    # sampling
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    rollout_batch_size: int = 64  # rows per generation micro-batch (bounds the KV cache)
+    # updates
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # optimizer steps per epoch and trained role
+    micro_batch_size: int = 8  # sequences per micro-batch, or
+    max_tokens_per_micro_batch: Optional[int] = None  # a token budget instead (dynamic batch size)
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # > clip_low: DAPO's clip-higher
+    dual_clip: Optional[float] = None  # e.g. 3.0: bound the loss of negative advantages
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    entropy_coef: float = 0.0
+    # KL to the reference
+    kl_coef: float = 0.0  # 0: no reference role
+    kl_in: Literal["loss", "reward"] = "loss"  # GRPO-style loss term, or a per-token reward penalty
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_target: Optional[float] = None  # set: Ziegler et al.'s adaptive coefficient
+    kl_horizon: int = 10000
+    kl_ceiling: Optional[float] = None  # stop (last good checkpoint kept) when KL stays above it
+    kl_ceiling_steps: int = 3
+    # advantages
+    gamma: float = 1.0
+    lam: float = 0.95
+    scale_by_std: bool = True  # GRPO's std normalisation (false: Dr. GRPO)
+    whiten_advantages: Optional[bool] = None  # None: true for ppo and reinforce_pp
+    value_clip: Optional[float] = 0.2
+    # rewards
+    # a built-in (final_answer, gsm8k, exact_match, format) or module:function; null: RM only
+    reward_fn: Optional[str] = "final_answer"
+    reward_model_coef: float = 0.0  # > 0: add coef x the reward model's score (needs reward_model/)
+    reward_clip: Optional[float] = None
+    max_reward_failures: float = 0.1  # fraction of a batch a user reward function may fail on
+    max_nonfinite_steps: int = 3  # non-finite loss/reward: skip the step; this many in a row stop
+    # evaluation (every train.eval_interval steps)
+    eval_before_train: bool = True  # step 0: the model RL starts from, evaluated the same way
+    eval_prompts: int = 64
+    eval_samples: int = 4  # k of pass@k (samples per held-out prompt)
+    eval_temperature: float = 1.0
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -204,3 +274,27 @@ class Config:
     roles: RolesConfig = field(default_factory=RolesConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+
+
+ROLE_INIT_DEFAULTS = {"actor": "sft", "reference": "sft", "critic": "reward_model", "reward": "reward_model"}
+
+
+@dataclass
+class ResolvedRole:
+    """A role's effective settings: its own where set, the top-level ones elsewhere."""
+
+    name: str
+    model: ModelConfig
+    optim: OptimConfig
+    lr_schedule: LRScheduleConfig
+    precision: str
+    init_from: str
+    offload: OffloadConfig
+
+
+def role_config(cfg: "Config", name: str) -> ResolvedRole:
+    r: RoleConfig = getattr(cfg.roles, name)
+    return ResolvedRole(name=name, model=r.model or cfg.model, optim=r.optim or cfg.optim,
+                        lr_schedule=r.lr_schedule or cfg.lr_schedule, precision=r.precision or cfg.train.precision,
+                        init_from=r.init_from or ROLE_INIT_DEFAULTS[name], offload=r.offload)

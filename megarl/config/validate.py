@@ -40,6 +40,9 @@ def _model_rules(m: ModelConfig, cfg: Config, where: str, cuda: bool) -> list[st
             errs.append(f"{where}.{name} must be >= 1, got {getattr(m, name)}")
     if errs:
         return errs
+    if m.num_kv_heads is not None and m.num_kv_heads < 1:  # 0 would silently mean multi-head
+        errs.append(f"{where}.num_kv_heads must be >= 1 (or null for num_attention_heads), got {m.num_kv_heads}")
+        return errs
     if m.head_dim is not None and m.head_dim < 1:
         errs.append(f"{where}.head_dim must be >= 1 (or null for hidden_size / num_attention_heads), got {m.head_dim}")
     if m.head_dim is None and m.hidden_size % m.num_attention_heads:
@@ -66,11 +69,69 @@ def _model_rules(m: ModelConfig, cfg: Config, where: str, cuda: bool) -> list[st
     return errs
 
 
-def check_config(cfg: Config, world_size: int, cuda: bool | None = None) -> list[str]:
-    """All violations of the cross-field rules, one line each (empty list: valid)."""
+def _rl_rules(cfg: Config, world_size: int, cuda: bool) -> list[str]:
+    r, errs = cfg.rl, []
+    dp = data_parallel_size(cfg, world_size)
+    for name in ("prompts_per_step", "samples_per_prompt", "max_prompt_len", "max_new_tokens", "rollout_batch_size",
+                 "ppo_epochs", "mini_batches", "micro_batch_size", "eval_samples", "max_nonfinite_steps",
+                 "kl_ceiling_steps"):
+        if getattr(r, name) < 1:
+            errs.append(f"rl.{name} must be >= 1, got {getattr(r, name)}")
+    if errs:
+        return errs
+    if r.prompts_per_step % dp:
+        errs.append(f"rl.prompts_per_step ({r.prompts_per_step}) must be divisible by the data-parallel size ({dp})")
+    elif (r.prompts_per_step // dp * r.samples_per_prompt) % r.mini_batches:
+        errs.append(f"rl.mini_batches ({r.mini_batches}) must divide the rows per data-parallel rank "
+                    f"(prompts_per_step / dp x samples_per_prompt = {r.prompts_per_step // dp * r.samples_per_prompt})")
+    if r.algorithm in ("grpo", "rloo", "reinforce") and r.samples_per_prompt < 2:
+        errs.append(f"rl.algorithm={r.algorithm} compares samples of one prompt: rl.samples_per_prompt must be >= 2")
+    longest = r.max_prompt_len + r.max_new_tokens
+    for name in ("actor", "reference", "critic", "reward"):
+        m = getattr(cfg.roles, name).model or cfg.model
+        if longest > m.max_position_embeddings:
+            errs.append(f"rl.max_prompt_len + rl.max_new_tokens ({longest}) exceeds the {name}'s "
+                        f"max_position_embeddings ({m.max_position_embeddings})")
+            break
+    if r.max_tokens_per_micro_batch is not None and r.max_tokens_per_micro_batch < longest:
+        errs.append(f"rl.max_tokens_per_micro_batch ({r.max_tokens_per_micro_batch}) must hold the longest sequence "
+                    f"(max_prompt_len + max_new_tokens = {longest})")
+    if not r.temperature > 0 or not r.eval_temperature > 0:
+        errs.append("rl.temperature and rl.eval_temperature must be > 0")
+    if not 0 < r.top_p <= 1 or r.top_k < 0:
+        errs.append(f"rl.top_p must be in (0, 1] and rl.top_k >= 0 (got {r.top_p}, {r.top_k})")
+    if not (0 < r.clip_low < 1 and r.clip_high > 0):
+        errs.append(f"rl.clip_low must be in (0, 1) and rl.clip_high > 0 (got {r.clip_low}, {r.clip_high})")
+    if r.dual_clip is not None and r.dual_clip <= 1:
+        errs.append(f"rl.dual_clip must be > 1 (or null), got {r.dual_clip}")
+    if r.kl_coef < 0 or r.entropy_coef < 0 or r.reward_model_coef < 0:
+        errs.append("rl.kl_coef, rl.entropy_coef and rl.reward_model_coef must be >= 0")
+    if r.kl_target is not None and (r.kl_target <= 0 or r.kl_coef <= 0):
+        errs.append("rl.kl_target (adaptive KL) needs rl.kl_target > 0 and an initial rl.kl_coef > 0")
+    if not (0 <= r.gamma <= 1 and 0 <= r.lam <= 1):
+        errs.append(f"rl.gamma and rl.lam must be in [0, 1] (got {r.gamma}, {r.lam})")
+    if r.reward_fn is None and r.reward_model_coef == 0:
+        errs.append("rl: no reward: set rl.reward_fn (e.g. final_answer) and/or rl.reward_model_coef > 0")
+    if not 0 <= r.max_reward_failures <= 1:
+        errs.append(f"rl.max_reward_failures must be in [0, 1], got {r.max_reward_failures}")
+    if r.value_clip is not None and r.value_clip <= 0:
+        errs.append(f"rl.value_clip must be > 0 (or null), got {r.value_clip}")
+    for name in ("actor", "reference", "critic", "reward"):
+        role = getattr(cfg.roles, name)
+        if role.precision == "fp16" and not cuda:
+            errs.append(f"roles.{name}.precision=fp16 needs a CUDA GPU; use fp32 or bf16 on CPU")
+        if role.optim is not None and role.optim.lr <= 0:
+            errs.append(f"roles.{name}.optim.lr must be > 0, got {role.optim.lr}")
+    return errs
+
+
+def check_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: str | None = None) -> list[str]:
+    """All violations of the cross-field rules, one line each (empty list: valid). stage="rl"
+    adds the RL stage's rules."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     p, d, t, errs = cfg.parallel, cfg.data, cfg.train, []
-
+    if world_size < 1:
+        return [f"world size must be >= 1, got {world_size}"]
     for name in ("tp", "pp", "cp"):
         if getattr(p, name) < 1:
             errs.append(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
@@ -101,13 +162,12 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None) -> list
         if not (has_module("transformer_engine") and cuda):
             errs.append(f"parallel.cp > 1 needs Transformer Engine attention on a GPU: {TE_HINT}")
 
-    if p.distributed_optimizer and not (cuda and (has_module("transformer_engine") or has_module("apex"))):
-        errs.append("parallel.distributed_optimizer needs a GPU with Transformer Engine or apex fused Adam "
-                    "(megatron-core 0.16 cannot checkpoint it over the torch-Adam fallback); set it false on CPU")
+    # parallel.distributed_optimizer has no rule: it runs on CPU (gloo) and GPU, over fused Adam
+    # or torch's (whose checkpointing megarl.optim.fix_distributed_torch_adam repairs).
     errs += _model_rules(cfg.model, cfg, "model", cuda)
     for role in ("actor", "reference", "critic", "reward"):
         r = getattr(cfg.roles, role)
-        if r.enabled and r.model is not None:
+        if r.model is not None:
             errs += _model_rules(r.model, cfg, f"roles.{role}.model", cuda)
 
     if t.precision == "fp16" and not cuda:
@@ -150,10 +210,12 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None) -> list
         errs.append("checkpoint.keep_last must be >= 1 and checkpoint.save_interval >= 0")
     if cfg.launcher.backend == "nccl" and not cuda:
         errs.append("launcher.backend=nccl needs CUDA GPUs; use auto or gloo on CPU")
+    if stage == "rl":
+        errs += _rl_rules(cfg, world_size, cuda)
     return errs
 
 
-def validate_config(cfg: Config, world_size: int, cuda: bool | None = None) -> None:
-    errs = check_config(cfg, world_size, cuda)
+def validate_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: str | None = None) -> None:
+    errs = check_config(cfg, world_size, cuda, stage)
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))

@@ -14,11 +14,11 @@ from megarl.data.datasets import (PreferenceDataset, PromptDataset, SFTDataset, 
                                   build_prompt_dataset, build_sft_dataset)
 from megarl.data.errors import DataError, Report
 from megarl.data.preprocess import load_preprocessed, preprocess
-from megarl.data.synthetic import Difficulty, write_synthetic_dataset
+from megarl.data.synthetic import write_synthetic_dataset
 from megarl.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
-    "ByteTokenizer", "ChatTemplateError", "Collator", "DataError", "DataIterator", "Difficulty", "GlobalBatchSampler",
+    "ByteTokenizer", "ChatTemplateError", "Collator", "DataError", "DataIterator", "GlobalBatchSampler",
     "HFTokenizer", "PreferenceDataset", "PromptDataset", "Report", "SFTDataset", "build_preference_dataset",
     "build_prompt_dataset", "build_sft_dataset", "collate_prompts", "epoch_permutation", "extract_answer",
     "is_correct", "load_preprocessed", "load_tokenizer", "preprocess", "write_synthetic_dataset",

@@ -25,23 +25,41 @@ def canonical_number(text: str) -> str | None:
     return format(value.normalize(), "f")
 
 
-def extract_answer(text: str) -> str | None:
+# Any number in free text: not glued to a word or a decimal point before it (so "x2" and "5-3"'s
+# "-3" are not read as numbers), thousands separators only in groups of three ("1,2,3" is 1, 2, 3).
+_ANY_NUMBER = re.compile(r"(?<![\w.])(-)?\$?(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)")
+
+
+def last_number(text: str) -> str | None:
+    """The last number anywhere in text, canonicalised ('$1,000.' -> '1000'); None when there is none."""
+    found = None
+    for found in _ANY_NUMBER.finditer(text):
+        pass
+    if found is None:
+        return None
+    return canonical_number(("-" if found.group(1) else "") + found.group(2))
+
+
+def extract_answer(text: str, *, fallback_last_number: bool = False) -> str | None:
     """The number after the last `####` in text, canonicalised; None when there is none.
 
-    Strict on purpose: a response without `#### n` earns no reward, which teaches the format.
+    Strict by default on purpose: a response without `#### n` earns no reward, which teaches the
+    format. fallback_last_number=True (GSM8K-style evaluation of models that do not use `####`)
+    takes the last number in the text when there is no `#### n`.
     """
     head, sep, tail = text.rpartition("####")
-    if not sep:
-        return None
-    return canonical_number(tail)
+    value = canonical_number(tail) if sep else None
+    if value is None and fallback_last_number:
+        return last_number(text)
+    return value
 
 
-def is_correct(text: str, answer: str | int | float) -> bool:
-    """Whether the response's final `#### n` equals the reference answer numerically.
+def is_correct(text: str, answer: str | int | float, *, fallback_last_number: bool = False) -> bool:
+    """Whether the response's final `#### n` (or, with the fallback, its last number) equals the answer.
 
     `answer` may be a bare number ("72", 72) or a full GSM8K solution ending in `#### 72`.
     """
-    predicted = extract_answer(text)
+    predicted = extract_answer(text, fallback_last_number=fallback_last_number)
     if predicted is None:
         return False
     gold = str(answer)

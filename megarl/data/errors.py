@@ -8,6 +8,7 @@ A user's data mistake must never end in a traceback: every problem becomes one l
 from collections import Counter
 
 POLICIES = ("fail", "skip")
+_SHOWN_BLANK = 5  # blank line numbers listed in a summary
 
 # The kinds of problem a record can have; the skip summary counts them under these names.
 KINDS = (
@@ -51,6 +52,7 @@ class Report:
         self.policy = check_policy(policy)
         self.records = 0          # non-blank lines seen
         self.blank = 0            # blank lines (skipped, but counted)
+        self.blank_lines = []     # the first _SHOWN_BLANK of their line numbers, named in the summary
         self.skipped = Counter()  # kind -> count
 
     def problem(self, line: int, kind: str, message: str) -> None:
@@ -59,6 +61,12 @@ class Report:
         if self.policy == "fail":
             raise DataError(f"{self.path}:{line}: {message}") from None  # no chained traceback
         self.skipped[kind] += 1
+
+    def blank_line(self, line: int) -> None:
+        """Count a blank line (never an error, but reported by line number in the summary)."""
+        self.blank += 1
+        if len(self.blank_lines) < _SHOWN_BLANK:
+            self.blank_lines.append(line)
 
     @property
     def kept(self) -> int:
@@ -70,7 +78,9 @@ class Report:
             kinds = sorted(self.skipped.items(), key=lambda kv: (-kv[1], kv[0]))
             parts.append("skipped " + ", ".join(f"{n} {k}" for k, n in kinds))
         if self.blank:
-            parts.append(f"{self.blank} blank line{'s' if self.blank != 1 else ''}")
+            where = ", ".join(map(str, self.blank_lines)) + (", ..." if self.blank > len(self.blank_lines) else "")
+            plural = "s" if self.blank != 1 else ""
+            parts.append(f"{self.blank} blank line{plural}" + (f" (line{plural} {where})" if where else ""))
         return "; ".join(parts)
 
     @property

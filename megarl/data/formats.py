@@ -1,6 +1,6 @@
 """Read JSONL datasets in the TRL / OpenRLHF conventions and normalise them to conversations.
 
-Accepted records (one JSON object per line; blank lines are skipped and counted):
+Accepted records (one JSON object per line; blank lines are skipped, counted and named by line):
   SFT          {"messages": [{"role", "content"}, ...]}
                {"prompt": str|messages, "completion": str|messages}
                {"question": str, "answer": str}                       (GSM8K: answer is the solution)
@@ -8,6 +8,7 @@ Accepted records (one JSON object per line; blank lines are skipped and counted)
                {"chosen": messages, "rejected": messages}             (prompt inside the conversations)
   RL prompts   {"prompt": str|messages, "answer": str|number}         (answer optional)
                {"question": str, "answer": "... #### 72"}             (GSM8K: answer becomes "72")
+               "a bare JSON string"                                   (a prompt without answer)
                a .txt file: one prompt per line
 
 Every record becomes a list of {"role", "content"} messages, so the tokenizer sees one shape only.
@@ -148,7 +149,12 @@ def parse_preference(rec: dict) -> tuple[Messages, Messages]:
     return _ends_with(chosen, "assistant", "chosen"), _ends_with(rejected, "assistant", "rejected")
 
 
-def parse_prompt(rec: dict) -> tuple[Messages, str | None]:
+def parse_prompt(rec: dict | str) -> tuple[Messages, str | None]:
+    """An RL prompt record (or a bare JSON string: a prompt without answer) -> (messages, answer)."""
+    if isinstance(rec, str):
+        if not rec.strip():
+            raise RecordProblem("empty_field", "prompt string is empty")
+        return [{"role": "user", "content": rec}], None
     if "prompt" in rec:
         msgs = _text_or_messages(rec, "prompt", "user")
         answer = None
@@ -185,7 +191,7 @@ def iter_lines(path: str, report: Report):
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]  # UTF-8 byte-order mark
             if not raw.strip():
-                report.blank += 1
+                report.blank_line(lineno)
                 continue
             report.records += 1
             try:
@@ -227,8 +233,21 @@ def read_preferences(path: str, report: Report) -> list[PreferenceRecord]:
 
 
 def read_prompts(path: str, report: Report) -> list[PromptRecord]:
-    """RL prompts from JSONL, or from a .txt file with one prompt per line (no answers)."""
+    """RL prompts from JSONL (objects or bare JSON strings), or a .txt file with one prompt per line."""
     if str(path).endswith(".txt"):
         return [PromptRecord(lineno, [{"role": "user", "content": text}], None)
                 for lineno, text in iter_lines(path, report)]
-    return _read(path, report, parse_prompt, lambda line, ma: PromptRecord(line, *ma))
+    out = []
+    for lineno, text in iter_lines(path, report):
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError as e:
+            report.problem(lineno, "invalid_json", f"invalid JSON: {e.msg} (column {e.colno})")
+            continue
+        try:
+            if not isinstance(rec, (dict, str)):
+                raise RecordProblem("wrong_type", f"expected a JSON object or string, got {_type_name(rec)}")
+            out.append(PromptRecord(lineno, *parse_prompt(rec)))
+        except RecordProblem as p:
+            report.problem(lineno, p.kind, str(p))
+    return out

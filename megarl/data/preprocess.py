@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from megarl.data.atomic import atomic_directory
+from megarl.utils.atomic import atomic_directory
 from megarl.data.datasets import (PreferenceDataset, SFTDataset, TokenStore, finish_report, tokenize_preferences,
                                   tokenize_sft)
 from megarl.data.errors import DataError, Report

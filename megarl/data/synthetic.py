@@ -4,10 +4,11 @@
     A: "3+4=7\\n7-2=5\\n#### 5"
 
 Solutions end with `#### n` like GSM8K, so answers.extract_answer / is_correct score both.
-Difficulty knobs: number of operations, operand range, which operations, largest multiplier.
+Its one schema is `megarl.config.SyntheticConfig` (`data.synthetic`): split sizes, number of
+operations, operand range, which operations, largest multiplier, kind of rejected answer.
 At the defaults a 2-layer, hidden-64 GPT on the byte tokenizer (seq 128, batch 32, one CPU thread)
 reached ~70% greedy test accuracy after 2 minutes of SFT (~20% with max_operand=20).
-Preference pairs contrast the worked solution with a plausible wrong one (`Difficulty.rejects`):
+Preference pairs contrast the worked solution with a plausible wrong one (`SyntheticConfig.rejects`):
   "operand": a quantity misread from the question (arithmetic right, answer wrong); the default;
   "slip":    one step's result is off by 1-2 and later steps carry it forward.
 Either way the error reaches the final answer and the solution keeps its shape. Slips are the
@@ -20,8 +21,10 @@ import os
 import random
 from dataclasses import asdict, dataclass
 
-from megarl.data.atomic import atomic_directory
+from megarl.config.schema import SyntheticConfig
+
 from megarl.data.errors import DataError
+from megarl.utils.atomic import atomic_directory
 
 NAMES = (("Tom", "He"), ("Ann", "She"), ("Bob", "He"), ("Eva", "She"), ("Sam", "He"), ("Mia", "She"),
          ("Leo", "He"), ("Zoe", "She"), ("Max", "He"), ("Ivy", "She"))
@@ -36,25 +39,24 @@ FILES = ("train_sft.jsonl", "test_sft.jsonl", "train_prefs.jsonl", "test_prefs.j
          "train_prompts.jsonl", "test_prompts.jsonl")
 
 
-@dataclass(frozen=True)
-class Difficulty:
-    min_ops: int = 1        # operations per problem, drawn uniformly in [min_ops, max_ops]
-    max_ops: int = 2
-    max_operand: int = 10   # start value and +/- operands are drawn from [1, max_operand]
-    ops: str = "+-"         # which operations may appear: any of "+-*"
-    max_factor: int = 3     # multipliers are drawn from [2, max_factor]
-    rejects: str = "operand"  # how a preference pair's rejected solution goes wrong: operand | slip
+def check_task(task: SyntheticConfig) -> SyntheticConfig:
+    """`task` itself when its knobs make a task; DataError naming the knob otherwise."""
+    if task.n_train < 1 or task.n_test < 1:
+        raise DataError(f"synthetic task needs n_train >= 1 and n_test >= 1, got {task.n_train}, {task.n_test}")
+    if not 1 <= task.min_ops <= task.max_ops:
+        raise DataError(f"synthetic task needs 1 <= min_ops <= max_ops, got {task.min_ops}, {task.max_ops}")
+    if task.max_operand < 1 or task.max_factor < 2:
+        raise DataError("synthetic task needs max_operand >= 1 and max_factor >= 2")
+    if not task.ops or set(task.ops) - set(PHRASES):
+        raise DataError(f"synthetic task ops must be a non-empty subset of '+-*', got {task.ops!r}")
+    if task.rejects not in REJECTS:
+        raise DataError(f"synthetic task rejects must be one of {', '.join(REJECTS)}, got {task.rejects!r}")
+    return task
 
-    def check(self) -> "Difficulty":
-        if not 1 <= self.min_ops <= self.max_ops:
-            raise DataError(f"synthetic task needs 1 <= min_ops <= max_ops, got {self.min_ops}, {self.max_ops}")
-        if self.max_operand < 1 or self.max_factor < 2:
-            raise DataError("synthetic task needs max_operand >= 1 and max_factor >= 2")
-        if not self.ops or set(self.ops) - set(PHRASES):
-            raise DataError(f"synthetic task ops must be a non-empty subset of '+-*', got {self.ops!r}")
-        if self.rejects not in REJECTS:
-            raise DataError(f"synthetic task rejects must be one of {', '.join(REJECTS)}, got {self.rejects!r}")
-        return self
+
+def difficulty(task: SyntheticConfig) -> dict:
+    """The knobs that shape the problems (every field but the split sizes), as meta.json holds them."""
+    return {k: v for k, v in asdict(task).items() if k not in ("n_train", "n_test")}
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ def _apply(a: int, op: str, b: int) -> int:
     return a + b if op == "+" else a - b if op == "-" else a * b
 
 
-def make_problem(rng: random.Random, d: Difficulty) -> Problem:
+def make_problem(rng: random.Random, d: SyntheticConfig) -> Problem:
     name, pronoun = rng.choice(NAMES)
     item = rng.choice(ITEMS)
     value = rng.randint(1, d.max_operand)
@@ -99,8 +101,9 @@ def make_problem(rng: random.Random, d: Difficulty) -> Problem:
     return Problem(" ".join(sentences), tuple(steps), value)
 
 
-def wrong_solution(problem: Problem, rng: random.Random, d: Difficulty = Difficulty()) -> str:
+def wrong_solution(problem: Problem, rng: random.Random, d: SyntheticConfig | None = None) -> str:
     """The worked solution with one plausible mistake (d.rejects), carried through later steps."""
+    d = d or SyntheticConfig()
     k = rng.randrange(len(problem.steps))
     a, op, b, c = problem.steps[k]
     if d.rejects == "operand":  # the operand misread by 1-2, within the task's own ranges
@@ -123,15 +126,15 @@ def wrong_solution(problem: Problem, rng: random.Random, d: Difficulty = Difficu
     return format_solution(steps)
 
 
-def generate_problems(n: int, seed: int = 0, difficulty: Difficulty = Difficulty()) -> list[Problem]:
-    """n problems with distinct questions, deterministic in (n, seed, difficulty)."""
-    difficulty.check()
+def generate_problems(n: int, seed: int, task: SyntheticConfig | None = None) -> list[Problem]:
+    """n problems with distinct questions, deterministic in (n, seed, the task's knobs)."""
+    task = check_task(task or SyntheticConfig())
     rng = random.Random(seed)
     seen, out, misses = set(), [], 0
     while misses < 2000:  # 2000 duplicates in a row: the difficulty's problem space is exhausted
         if len(out) == n:
             return out
-        p = make_problem(rng, difficulty)
+        p = make_problem(rng, task)
         misses = misses + 1 if p.question in seen else 0
         if p.question not in seen:
             seen.add(p.question)
@@ -140,8 +143,9 @@ def generate_problems(n: int, seed: int = 0, difficulty: Difficulty = Difficulty
                     f"raise max_operand or max_ops")
 
 
-def records(problems: list[Problem], seed: int, d: Difficulty = Difficulty()) -> dict[str, list[dict]]:
+def records(problems: list[Problem], seed: int, d: SyntheticConfig | None = None) -> dict[str, list[dict]]:
     """The three views of a split: SFT conversations, preference pairs, RL prompts with answers."""
+    d = d or SyntheticConfig()
     rng = random.Random(seed)
     return {
         "sft": [{"messages": [{"role": "user", "content": p.question},
@@ -152,21 +156,23 @@ def records(problems: list[Problem], seed: int, d: Difficulty = Difficulty()) ->
     }
 
 
-def write_synthetic_dataset(out_dir: str, n_train: int = 2000, n_test: int = 200, seed: int = 0,
-                            difficulty: Difficulty = Difficulty()) -> dict[str, str]:
+def write_synthetic_dataset(out_dir: str, task: SyntheticConfig, seed: int) -> dict[str, str]:
     """Write the six JSONL files (+ meta.json) into out_dir atomically; return {file name: path}.
 
-    The test split's questions never occur in the train split.
+    Deterministic in (task, seed): the stages pass `data.synthetic` and `data.seed` (else
+    `train.seed`), and so does `megarl synthetic`. The test split's questions never occur in
+    the train split.
     """
-    problems = generate_problems(n_train + n_test, seed, difficulty)
+    n_train, n_test = task.n_train, task.n_test
+    problems = generate_problems(n_train + n_test, seed, task)
     splits = {"train": problems[n_test:], "test": problems[:n_test]}
     with atomic_directory(out_dir, last=("meta.json",)) as tmp:
         for split, probs in splits.items():
-            for view, rows in records(probs, seed + (split == "test"), difficulty).items():
+            for view, rows in records(probs, seed + (split == "test"), task).items():
                 with open(os.path.join(tmp, f"{split}_{view}.jsonl"), "w") as f:
                     f.writelines(json.dumps(r) + "\n" for r in rows)
         meta = {"task": "synthetic_arithmetic", "seed": seed, "n_train": n_train, "n_test": n_test,
-                "difficulty": asdict(difficulty)}
+                "difficulty": difficulty(task)}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
     return {name: os.path.join(out_dir, name) for name in FILES}

@@ -6,6 +6,7 @@ the model code: megatron-core's local modules on CPU, Transformer Engine's on GP
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -115,21 +116,50 @@ class ScalarHead(nn.Module):
         return F.linear(hidden_states, self.weight, self.bias), None
 
 
+@functools.cache
+def gpt_model_class():
+    """megatron-core's GPTModel returning logits as a [b, s, V] VIEW of the output layer's [s, b, V].
+
+    GPTModel ends with `logits.transpose(0, 1).contiguous()`: a full copy of the logits in the
+    forward, and a gradient that reaches the output layer non-contiguous, which its backward
+    copies twice more. megarl's consumers (the fused log-prob op, `[rows, cols]` indexing, the
+    scalar head's reads) take the strided view, and the fused op's gradient comes back in the
+    logits' own memory order, so the output layer's backward gets a contiguous [s, b, V] grad.
+    Only the plain training/scoring call is changed; labels, MTP, inference contexts and the
+    config logger take megatron's own path. Built lazily: importing megarl needs no megatron.
+    """
+    from megatron.core.config_logger import has_config_logger_enabled
+    from megatron.core.models.gpt import GPTModel
+
+    class MegarlGPTModel(GPTModel):
+        def _postprocess(self, hidden_states, *args, **kw):
+            if (args or not self.post_process or kw.get("labels") is not None or kw.get("mtp_in_postprocess")
+                    or kw.get("inference_context") is not None or kw.get("inference_params") is not None
+                    or has_config_logger_enabled(self.config)):
+                return super()._postprocess(hidden_states, *args, **kw)
+            weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+            logits, _ = self.output_layer(hidden_states, weight=weight,
+                                          runtime_gather_output=kw.get("runtime_gather_output"))
+            return logits.transpose(0, 1)  # [s, b, V/tp] -> [b, s, V/tp], no copy
+
+    return MegarlGPTModel
+
+
 def build_model(mc: ModelConfig, pc: ParallelConfig, *, head: str = "lm", precision: str = "fp32",
                 fp8: str | None = None, seed: int = 1234):
     """Build this rank's stage of the model and initialise it layout-invariantly.
 
     head="lm": logits over this TP rank's vocabulary shard, [b, s, V_pad/tp].
     head="scalar": values [b, s, 1] on the last pipeline stage.
+    Both are transposed views of the output layer's [s, b, .] result (see `gpt_model_class`).
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
 
     if head not in ("lm", "scalar"):
         raise ValueError(f"head must be 'lm' or 'scalar', got {head!r}")
     config = transformer_config(mc, pc, precision, fp8)
     vocab = padded_vocab_size(mc.vocab_size, mc.make_vocab_size_divisible_by, pc.tp)
-    model = GPTModel(
+    model = gpt_model_class()(
         config=config,
         transformer_layer_spec=layer_spec(mc),
         vocab_size=vocab,

@@ -13,6 +13,7 @@ the *global* batch, identically in every parallel layout.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from megarl.config.schema import LRScheduleConfig, ModelConfig, OptimConfig, ParallelConfig
 from megarl.models.gpt import build_model
 from megarl.optim import build_optimizer, build_scheduler
+from megarl.runtime.distributed import broadcast_from_last_stage, device
 
 Batch = dict  # tokens [b, s], position_ids [b, s], attention_mask [b, 1, s, s] or None, ...
 LossFn = Callable[[Batch, torch.Tensor], tuple]
@@ -36,72 +38,136 @@ class StepResult:
 
 
 class Role:
+    """Built in separable steps (`build_module`, `freeze`, `wrap`, `attach_optimizer`) so that
+    offload hooks and other roles' variations attach between them; the constructor runs them
+    all in order."""
+
     def __init__(self, name: str, model_cfg: ModelConfig, parallel: ParallelConfig, *,
                  head: str = "lm", precision: str = "fp32", fp8: str | None = None, seed: int = 1234,
                  optim: OptimConfig | None = None, schedule: LRScheduleConfig | None = None,
                  train_steps: int = 1, train_only_head: bool = False):
-        from megatron.core.distributed import (
-            DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads,
-        )
+        self.name, self.model_cfg, self.head, self.precision = name, model_cfg, head, precision
+        self.parallel = parallel
+        self.optimizer = self.scheduler = None
+        self.accumulating = False  # gradients of a step are in the buffers, not yet applied
+        gpt = self.build_module(seed=seed, fp8=fp8)
+        self.freeze(gpt, trainable=None if optim is None else ("output_layer." if train_only_head else ""))
+        self.chunks = [self.wrap(gpt, trained=optim is not None)]  # one per virtual pipeline stage
+        if optim is not None:
+            self.attach_optimizer(optim, schedule or LRScheduleConfig(), train_steps)
+
+    # -- construction steps ---------------------------------------------------------------
+
+    def build_module(self, *, seed: int, fp8: str | None):
+        gpt = build_model(self.model_cfg, self.parallel, head=self.head, precision=self.precision, fp8=fp8, seed=seed)
+        self.config = gpt.config  # TransformerConfig: the single source of model truth
+        return gpt
+
+    @staticmethod
+    def freeze(gpt, trainable: str | None) -> None:
+        """trainable: None freezes everything, "" nothing, a prefix all but that prefix.
+        Must run before DDP and the optimizer see the parameters."""
+        for pname, p in gpt.named_parameters():
+            p.requires_grad_(trainable is not None and pname.startswith(trainable))
+
+    def wrap(self, gpt, *, trained: bool):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.transformer.module import Float16Module
 
-        self.name, self.model_cfg, self.head = name, model_cfg, head
-        gpt = build_model(model_cfg, parallel, head=head, precision=precision, fp8=fp8, seed=seed)
-        self.config = gpt.config  # TransformerConfig: the single source of model truth
-        if train_only_head:  # frozen before DDP and the optimizer see the parameters
-            for pname, p in gpt.named_parameters():
-                p.requires_grad_(pname.startswith("output_layer."))
-        module = Float16Module(self.config, gpt) if precision in ("bf16", "fp16") else gpt
-        self.optimizer = self.scheduler = None
-        if optim is not None:
-            ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                use_distributed_optimizer=parallel.distributed_optimizer)
-            module = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=module)
-            self.config.finalize_model_grads_func = finalize_model_grads
-            self.optimizer = build_optimizer([module], optim, precision=precision,
-                                             distributed=parallel.distributed_optimizer)
-            self.scheduler = build_scheduler(self.optimizer, optim, schedule or LRScheduleConfig(), train_steps)
-            if precision == "fp16":
-                self.config.grad_scale_func = self.optimizer.scale_loss
-        else:
-            for p in module.parameters():
-                p.requires_grad_(False)
-        self.chunks = [module]  # one chunk per virtual pipeline stage (one today)
+        module = Float16Module(self.config, gpt) if self.precision in ("bf16", "fp16") else gpt
+        if not trained:
+            return module
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=self.parallel.distributed_optimizer)
+        return DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=module)
+
+    def attach_optimizer(self, optim: OptimConfig, schedule: LRScheduleConfig, train_steps: int) -> None:
+        """train_steps counts optimizer steps (the LR schedule's length), not loop steps."""
+        from megatron.core.distributed import finalize_model_grads
+
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = build_optimizer(self.chunks, optim, precision=self.precision,
+                                         distributed=self.parallel.distributed_optimizer)
+        self.scheduler = build_scheduler(self.optimizer, optim, schedule, train_steps)
+        if self.precision == "fp16":
+            self.config.grad_scale_func = self.optimizer.scale_loss
 
     @property
     def model(self):
         return self.chunks[0]
 
-    # ----------------------------------------------------------------------------------
+    @property
+    def trained(self) -> bool:
+        return self.optimizer is not None
 
-    def forward_backward(self, microbatches: list[Batch], loss_fn: LossFn, *, forward_only: bool = False) -> dict:
-        """Run every microbatch through the pipeline; returns reduced metrics (all ranks)."""
+    # -- running micro-batches through megatron's schedule -----------------------------------
+
+    def _schedule(self, microbatches: list[Batch], on_output: Callable, *, forward_only: bool, collect: bool):
+        """One call of megatron's forward-backward schedule over `microbatches`.
+
+        Each micro-batch is a fixed [b, s]; different calls, and different micro-batches of one
+        call, may have different shapes (variable_seq_lengths makes pipeline stages exchange
+        shapes first, which PP>1 needs only then). `on_output(batch, output)` is the loss
+        function (training/eval) or the collect function (collect=True).
+        """
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not microbatches:
+            raise ValueError(f"role {self.name}: no micro-batches")
+
+        # bf16/fp16 LM logits stay in their dtype (Float16Module would otherwise make an fp32 copy
+        # of the whole [b, s, V] tensor): the fused log-prob op reads them as they are
+        kwargs = {"fp32_output": False} if self.precision in ("bf16", "fp16") and self.head == "lm" else {}
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
-            output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
-            return output, lambda out: loss_fn(batch, out)
+            output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **kwargs)
+            if collect:
+                return output, lambda out, non_loss_data=True: on_output(batch, out)
+            return output, lambda out: on_output(batch, out)
 
+        shapes = {tuple(mb["tokens"].shape) for mb in microbatches}
         b, s = microbatches[0]["tokens"].shape
+        self.config.variable_seq_lengths = len(shapes) > 1
+        if self.optimizer is None and not forward_only:
+            raise RuntimeError(f"role {self.name} is frozen: it has no optimizer to train with")
         for c in self.chunks:
-            c.train(not forward_only)
+            c.train(not forward_only and not collect)
         with torch.set_grad_enabled(not forward_only):
-            reported = get_forward_backward_func()(
+            return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(microbatches), model=self.chunks,
                 num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
-                forward_only=forward_only)
+                forward_only=forward_only, collect_non_loss_data=collect)
+
+    def forward_backward(self, microbatches: list[Batch], loss_fn: LossFn, *, forward_only: bool = False) -> dict:
+        """Run every micro-batch through the pipeline; returns reduced metrics (all ranks).
+
+        Without forward_only the gradients accumulate in the buffers (`accumulating` is set)
+        until `train_step` applies them."""
+        reported = self._schedule(microbatches, loss_fn, forward_only=forward_only, collect=False)
+        if not forward_only:
+            self.accumulating = True
         return reduce_metrics(reported)
 
-    def train_step(self, microbatches: list[Batch], loss_fn: LossFn) -> StepResult:
-        """One optimizer step over a global batch split into this DP rank's microbatches."""
-        assert self.optimizer is not None, f"role {self.name} was built without an optimizer"
+    def train_step(self, microbatches: list[Batch], loss_fn: LossFn, *, skip_nonfinite: bool = False) -> StepResult:
+        """One optimizer step over a global batch split into this DP rank's micro-batches.
+
+        skip_nonfinite: when the reduced loss is NaN/inf (identical on every rank), drop the
+        gradients and skip the optimizer step instead of applying them (reported as skipped)."""
+        if self.optimizer is None:
+            raise RuntimeError(f"role {self.name} was built without an optimizer")
         for c in self.chunks:
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
         metrics = self.forward_backward(microbatches, loss_fn)
+        if skip_nonfinite and not math.isfinite(metrics.get("loss", 0.0)):
+            for c in self.chunks:
+                c.zero_grad_buffer()
+            self.accumulating = False
+            return StepResult(metrics, float("nan"), self.optimizer.param_groups[0]["lr"], True)
         ok, grad_norm, _ = self.optimizer.step()
+        self.accumulating = False
         lr = self.optimizer.param_groups[0]["lr"]
         if ok:
             self.scheduler.step(increment=1)
@@ -113,30 +179,30 @@ class Role:
 
     @torch.no_grad()
     def forward_collect(self, microbatches: list[Batch], collect: Callable[[Batch, torch.Tensor], object]) -> list:
-        """Forward only; `collect(batch, output)` runs on the last stage for each microbatch
-        (keep its result small: argmax ids, values at a few positions) and the list of results
-        reaches every rank of the pipeline."""
+        """Forward only (eval mode); `collect(batch, output)` runs on the last stage for each
+        micro-batch and returns tensors (e.g. per-token log-probs or values [b, s]) or small
+        objects; the list of results reaches every rank of the pipeline, tensors as tensors."""
         from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        def forward_step(data_iterator, model):
-            batch = next(data_iterator)
-            output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
-            return output, lambda out, non_loss_data=True: collect(batch, out)
+        results = self._schedule(microbatches, collect, forward_only=True, collect=True)
+        return list(broadcast_from_last_stage(list(results) if ps.is_pipeline_last_stage() else None))
 
-        b, s = microbatches[0]["tokens"].shape
-        for c in self.chunks:
-            c.eval()
-        results = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(microbatches), model=self.chunks,
-            num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
-            forward_only=True, collect_non_loss_data=True)
-        if dist.is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
-            box = [results if ps.is_pipeline_last_stage() else None]
-            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                       group=ps.get_pipeline_model_parallel_group())
-            results = box[0]
-        return list(results)
+    # -- time-sharing the device (megarl.roles.offload) -------------------------------------
+
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict:
+        """Move these kinds of state to host memory (bit-exact on onload); returns residency."""
+        from megarl.roles import offload
+        return offload.offload(self, params=params, grads=grads, optimizer=optimizer)
+
+    def onload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict:
+        from megarl.roles import offload
+        return offload.onload(self, params=params, grads=grads, optimizer=optimizer)
+
+    @property
+    def residency(self) -> dict:
+        """kind -> {"device": bytes, "host": bytes}."""
+        from megarl.roles import offload
+        return offload.residency(self)
 
 
 def reduce_metrics(reported: list[dict]) -> dict:
@@ -148,23 +214,12 @@ def reduce_metrics(reported: list[dict]) -> dict:
         for k, v in mb.items():
             v = v.detach().double().cpu()
             totals[k] = totals[k] + v if k in totals else v
-    dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+    means = {}
     if ps.is_pipeline_last_stage() and totals:
         packed = torch.stack([totals[k] for k in sorted(totals)])
         if dist.is_initialized():
-            packed = packed.to(_collective_device())
-            dist.all_reduce(packed, group=dp_group)
+            packed = packed.to(device())
+            dist.all_reduce(packed, group=ps.get_data_parallel_group(with_context_parallel=True))
             packed = packed.cpu()
         means = {k: (packed[i, 0] / packed[i, 1].clamp(min=1)).item() for i, k in enumerate(sorted(totals))}
-    else:
-        means = {}
-    if dist.is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
-        box = [means]
-        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                   group=ps.get_pipeline_model_parallel_group())
-        means = box[0]
-    return means
-
-
-def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return broadcast_from_last_stage(means)

@@ -13,6 +13,10 @@ does nothing at all when CUDA is available, so GPU runs use megatron-core untouc
 5. `Tensor.type()` names CPU tensors as their CUDA twins ('torch.cuda.FloatTensor'): the
    optimizer and gradient clipping classify parameters by that string; `.type('torch.cuda.X')`
    converts on CPU.
+6. Pinned host memory: `Tensor.pin_memory()` returns a host copy (what it returns for an
+   unpinned tensor on a GPU machine, minus the page locking, which needs an accelerator), and
+   `pin_memory=True` in a factory is dropped. E.g. the distributed optimizer's buffers offload
+   with `param_data.cpu().pin_memory()` as the kept copy before freeing `param_data`.
 """
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ class CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.type:
             if len(args) > 1 and isinstance(args[1], str):
                 args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
@@ -97,6 +103,7 @@ def enable() -> bool:
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.pin_memory = lambda self, *a, **k: self.clone()
 
     from megatron.core.tensor_parallel import random as mp_random
 

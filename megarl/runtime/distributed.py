@@ -112,13 +112,16 @@ def set_seed(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
 
 
-def teardown() -> None:
-    """Destroy megatron's groups and the default group; safe to call twice."""
+def teardown(keep_process_group: bool = False) -> None:
+    """Destroy megatron's groups and (unless kept, e.g. between the stages of a pipeline) the
+    default group; safe to call twice."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
+    if dist.is_initialized() and keep_process_group:
+        dist.barrier()
+    elif dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
@@ -127,5 +130,79 @@ def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def device() -> torch.device:
+    """Where this rank computes, and where collectives want their tensors (NCCL: CUDA; gloo: CPU)."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def broadcast_from_last_stage(value):
+    """`value` from the last pipeline stage to every stage of this rank's pipeline.
+
+    `value` may nest tensors in lists, tuples and dicts. Tensors travel as tensors (one
+    broadcast each, after one small object broadcast of the structure and shapes); everything
+    else is pickled with the structure. Other stages pass anything (it is ignored). Tensors
+    that were on an accelerator come back on `device()`, the others on CPU.
+    """
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1:
+        return value
+    group, src = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank()
+    last = ps.is_pipeline_last_stage()
+    tensors: list[torch.Tensor] = []
+
+    def strip(v):  # tensors -> placeholders recording shape and dtype
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+            return _TensorSlot(tuple(v.shape), v.dtype, v.is_cuda)
+        if isinstance(v, (list, tuple)):
+            return type(v)(strip(x) for x in v)
+        if isinstance(v, dict):
+            return {k: strip(x) for k, x in v.items()}
+        return v
+
+    box = [strip(value) if last else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    skeleton, slots = box[0], []
+
+    def collect(v):
+        if isinstance(v, _TensorSlot):
+            slots.append(v)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                collect(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                collect(x)
+
+    collect(skeleton)
+    dev = device()
+    received = []
+    for i, slot in enumerate(slots):
+        buf = tensors[i].to(dev).contiguous() if last else torch.empty(slot.shape, dtype=slot.dtype, device=dev)
+        dist.broadcast(buf, src=src, group=group)
+        received.append(buf if slot.on_cuda else buf.cpu())
+    it = iter(received)
+
+    def fill(v):
+        if isinstance(v, _TensorSlot):
+            return next(it)
+        if isinstance(v, (list, tuple)):
+            return type(v)(fill(x) for x in v)
+        if isinstance(v, dict):
+            return {k: fill(x) for k, x in v.items()}
+        return v
+
+    return fill(skeleton)
+
+
+class _TensorSlot:
+    __slots__ = ("shape", "dtype", "on_cuda")
+
+    def __init__(self, shape, dtype, on_cuda):
+        self.shape, self.dtype, self.on_cuda = shape, dtype, on_cuda

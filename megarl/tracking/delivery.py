@@ -84,6 +84,9 @@ class MlflowSink:
         self._client = None
         self._known_params: dict[str, str] = {}
         self._changed_params: dict[str, list[str]] = {}
+        # A resumed run's newest step per metric: a resumed process repeats the steps between its
+        # checkpoint and the kill; those keep the point already logged (one point per step).
+        self._logged_up_to: dict[str, int] = {}
 
     @property
     def client(self):
@@ -105,6 +108,8 @@ class MlflowSink:
                 if self.mark_running:
                     self.client.update_run(run.info.run_id, status="RUNNING")
                 self._known_params = dict(run.data.params)
+                if self.mark_running:
+                    self._logged_up_to = self._newest_steps(run)
                 self.run_id = run.info.run_id
                 self.state.save(run_id=self.run_id, experiment_id=run.info.experiment_id,
                                 tracking_uri=self.uri, resumed_at=time.time())
@@ -126,6 +131,15 @@ class MlflowSink:
                         parent_run_id=tags.get(PARENT_TAG), created_at=time.time())
         log.info("megarl.tracking: created MLflow run %s (%s) at %s", self.run_id, run.info.run_name, self.uri)
         return self.run_id
+
+    def _newest_steps(self, run) -> dict[str, int]:
+        """{metric key: its newest step} of a stored run (MLflow's latest metric is the one with
+        the highest step)."""
+        objs = getattr(run.data, "_metric_objs", None)
+        if objs is not None:
+            return {m.key: int(m.step) for m in objs}
+        return {k: max((int(m.step) for m in self.client.get_metric_history(run.info.run_id, k)), default=-1)
+                for k in run.data.metrics}
 
     def _get_run_or_none(self, run_id: str):
         try:
@@ -178,7 +192,8 @@ class MlflowSink:
         for op in ops:
             kind = op["op"]
             if kind == "metrics":
-                metrics.extend(Metric(k, v, op["ts"], op["step"]) for k, v in op["data"].items())
+                metrics.extend(Metric(k, v, op["ts"], op["step"]) for k, v in op["data"].items()
+                               if op["step"] > self._logged_up_to.get(k, -1))
             elif kind == "params":
                 params.update(self._new_params(op["data"]))
                 if self._changed_params:
@@ -190,8 +205,6 @@ class MlflowSink:
                 flush()
                 if kind == "artifact":
                     self._log_artifact(run_id, op["path"], op.get("artifact_path"))
-                elif kind == "text":
-                    self.client.log_text(run_id, op["text"], op["artifact_file"])
                 elif kind == "table":
                     self._log_table(run_id, op["artifact_file"], op["columns"], op["data"])
                 elif kind == "status":

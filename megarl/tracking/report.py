@@ -120,6 +120,8 @@ def write_report(run_dir, out_dir=None, *, uri: str | None = None, include_child
     from mlflow.tracking import MlflowClient
 
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such run directory")
     state = RunState(run_dir).load()
     if not state.get("run_id"):
         raise FileNotFoundError(f"{run_dir}/tracking.json names no MLflow run (was tracking on?)")

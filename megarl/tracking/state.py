@@ -10,6 +10,8 @@ import os
 import threading
 from pathlib import Path
 
+from megarl.utils.atomic import write_atomic
+
 STATE_NAME = "tracking.json"
 
 
@@ -31,8 +33,4 @@ class RunState:
         with self._lock:
             data = self.load()
             data.update({k: v for k, v in fields.items() if v is not None})
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=2, sort_keys=True)
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(data, indent=2, sort_keys=True), durable=False)

@@ -5,29 +5,23 @@ Sampled on a daemon thread so a training step never pays for it; values go throu
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import Callable
 
+import psutil
+
 
 def sample_system_metrics(process=None) -> dict[str, float]:
-    """One sample. Works without psutil (RSS from /proc) and without torch/CUDA (no GPU keys)."""
-    out: dict[str, float] = {}
-    try:
-        import psutil
-
-        proc = process or psutil.Process()
-        out["system/cpu_rss_gib"] = proc.memory_info().rss / 2**30
-        out["system/process_cpu_percent"] = proc.cpu_percent(interval=None)
-        out["system/host_cpu_percent"] = psutil.cpu_percent(interval=None)
-        out["system/host_memory_percent"] = psutil.virtual_memory().percent
-    except ImportError:
-        try:
-            with open(f"/proc/{os.getpid()}/statm", encoding="ascii") as f:
-                out["system/cpu_rss_gib"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-        except (OSError, ValueError, IndexError):
-            pass
+    """One sample (psutil is a dependency); GPU keys only when CUDA is in use (torch is never
+    imported just for this)."""
+    proc = process or psutil.Process()
+    out: dict[str, float] = {
+        "system/cpu_rss_gib": proc.memory_info().rss / 2**30,
+        "system/process_cpu_percent": proc.cpu_percent(interval=None),
+        "system/host_cpu_percent": psutil.cpu_percent(interval=None),
+        "system/host_memory_percent": psutil.virtual_memory().percent,
+    }
     torch = sys.modules.get("torch")  # never import torch just for this
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         dev = torch.cuda.current_device()
@@ -48,14 +42,8 @@ class SystemSampler:
         self._sink, self._step, self._interval = sink, step, float(interval)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megarl-tracking-system", daemon=True)
-        self._process = None
-        try:
-            import psutil
-
-            self._process = psutil.Process()
-            self._process.cpu_percent(interval=None)  # prime: the first call always returns 0.0
-        except ImportError:
-            pass
+        self._process = psutil.Process()
+        self._process.cpu_percent(interval=None)  # prime: the first call always returns 0.0
 
     def start(self) -> "SystemSampler":
         self._thread.start()

@@ -174,12 +174,6 @@ class Tracker:
             self._last_step = max(self._last_step, step)
             self._put({"op": "metrics", "ts": int(time.time() * 1000), "step": step, "data": data})
 
-    def log_metric(self, key: str, value: Any, step: int) -> None:
-        self.log_metrics({key: value}, step)
-
-    def set_tag(self, key: str, value: Any) -> None:
-        self.set_tags({key: value})
-
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         self._put({"op": "tags", "data": {
             sanitize_key(k): truncate(str(v), MAX_TAG_VALUE_LEN) for k, v in tags.items()}})
@@ -191,19 +185,6 @@ class Tracker:
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         """Upload a file or directory. Uploaded asynchronously: keep it in place until close()."""
         self._put({"op": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})
-
-    def log_text(self, text: str, artifact_file: str) -> None:
-        self._put({"op": "text", "text": str(text), "artifact_file": artifact_file})
-
-    def log_dict(self, obj: Any, artifact_file: str) -> None:
-        """A dict as a JSON or YAML artifact (by the extension of artifact_file)."""
-        if artifact_file.endswith((".yaml", ".yml")):
-            import yaml
-
-            text = yaml.safe_dump(json.loads(json.dumps(obj, default=str)), sort_keys=False)
-        else:
-            text = json.dumps(obj, indent=2, default=str)
-        self.log_text(text, artifact_file)
 
     def log_table(self, rows: list[Mapping[str, Any]], name: str, step: int) -> None:
         """Rows (e.g. sample generations at an evaluation) as an MLflow table artifact
@@ -362,13 +343,9 @@ class NullTracker:
 
     def log_params(self, params): pass
     def log_metrics(self, metrics, step): pass
-    def log_metric(self, key, value, step): pass
-    def set_tag(self, key, value): pass
     def set_tags(self, tags): pass
     def log_checkpoint(self, path, step): pass
     def log_artifact(self, path, artifact_path=None): pass
-    def log_text(self, text, artifact_file): pass
-    def log_dict(self, obj, artifact_file): pass
     def log_table(self, rows, name, step): pass
     def flush(self, timeout=None): return True
     def close(self, status="FINISHED", timeout=None): return True

@@ -7,13 +7,12 @@ from __future__ import annotations
 import os
 
 from megarl.config import Config, ConfigError
-from megarl.runtime.distributed import is_rank0
-from megarl.trainers.session import barrier
+from megarl.runtime.distributed import barrier, is_rank0
 
 # Which synthetic-task file each stage trains and evaluates on when data.train_path is unset.
 SYNTHETIC = {"sft": ("train_sft.jsonl", "test_sft.jsonl"),
-             "reward_model": ("train_prefs.jsonl", "test_prefs.jsonl")}
-KIND = {"sft": "sft", "reward_model": "preferences"}
+             "reward_model": ("train_prefs.jsonl", "test_prefs.jsonl"),
+             "rl": ("train_prompts.jsonl", "test_prompts.jsonl")}
 
 
 def tokenizer(cfg: Config):
@@ -27,45 +26,49 @@ def tokenizer(cfg: Config):
 
 
 def stage_paths(cfg: Config, stage: str) -> dict:
-    """Train/eval files: the configured ones, or the seeded synthetic task under <run_dir>/data."""
-    d = cfg.data
-    if d.train_path:
-        for key in ("train_path", "eval_path"):
-            path = getattr(d, key)
+    """Train/eval files: the configured ones (data.train_path / eval_path; RL: rl.prompts_path /
+    eval_prompts_path), or the seeded synthetic task under <run_dir>/data."""
+    section, (train_key, eval_key) = ("rl", ("prompts_path", "eval_prompts_path")) if stage == "rl" \
+        else ("data", ("train_path", "eval_path"))
+    given = getattr(cfg, section)
+    if getattr(given, train_key):
+        for key in (train_key, eval_key):
+            path = getattr(given, key)
             if path and not os.path.exists(path):
-                raise ConfigError(f"data.{key}: {path} does not exist")
-        return {"train": d.train_path, "eval": d.eval_path}
+                raise ConfigError(f"{section}.{key}: {path} does not exist")
+        return {"train": getattr(given, train_key), "eval": getattr(given, eval_key)}
     out = os.path.join(os.path.abspath(cfg.train.run_dir), "data")
     _synthetic_task(cfg, out)
     train, test = SYNTHETIC[stage]
     return {"train": os.path.join(out, train), "eval": os.path.join(out, test)}
 
 
+def data_seed(cfg: Config) -> int:
+    """The seed of the data order and of the synthetic task: data.seed, else train.seed."""
+    return cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
+
+
 def _synthetic_task(cfg: Config, out: str) -> None:
     """Write the synthetic task once per run dir (rank 0); a later stage with other settings is
     an error, since its data would no longer match the earlier stages'. Collective: every rank
     checks the settings and the written meta.json, so an error stops all ranks alike."""
-    import dataclasses
     import json
 
-    from megarl.data import write_synthetic_dataset
-    from megarl.data.synthetic import Difficulty
+    from megarl.data.synthetic import check_task, difficulty, write_synthetic_dataset
 
-    d, syn = cfg.data, cfg.data.synthetic
-    seed = d.seed if d.seed is not None else cfg.train.seed
-    difficulty = Difficulty(**{k: v for k, v in dataclasses.asdict(syn).items() if k not in ("n_train", "n_test")})
-    difficulty.check()
+    syn = check_task(cfg.data.synthetic)
+    seed = data_seed(cfg)
     meta_path = os.path.join(out, "meta.json")
     written = os.path.exists(meta_path)
     barrier()  # every rank has looked before rank 0 may write
     if not written:
         if is_rank0():
-            write_synthetic_dataset(out, n_train=syn.n_train, n_test=syn.n_test, seed=seed, difficulty=difficulty)
+            write_synthetic_dataset(out, syn, seed)
         barrier()
         return
     with open(meta_path) as f:
         meta = json.load(f)
-    want = {"seed": seed, "n_train": syn.n_train, "n_test": syn.n_test, "difficulty": dataclasses.asdict(difficulty)}
+    want = {"seed": seed, "n_train": syn.n_train, "n_test": syn.n_test, "difficulty": difficulty(syn)}
     have = {k: meta.get(k) for k in want}
     have["difficulty"] = {"rejects": "slip", **(have["difficulty"] or {})}  # written before rejects existed
     if have != want:
@@ -96,7 +99,7 @@ def train_iterator(cfg: Config, path: str, kind: str, tok, stage_dir: str):
 
     d = cfg.data
     rank, size = _dp()
-    seed = d.seed if d.seed is not None else cfg.train.seed
+    seed = data_seed(cfg)
     if d.loader == "dali":
         import torch
 
@@ -163,8 +166,16 @@ def init_weights(cfg: Config, role, model_cfg=None, skip_head: bool = False) -> 
             raise ConfigError(f"model.init_from: {e}") from e
         load_full_state_dict(role.model, weights, (model_cfg or cfg.model).vocab_size,
                              skip_prefixes=("output_layer.",) if skip_head else ())
+        if role.optimizer is not None:  # bf16/fp16: the optimizer's fp32 main copy follows the new weights
+            role.optimizer.reload_model_params()
         return
-    from megarl.checkpoint.distributed import latest_checkpoint, load_weights
+    from megarl.checkpoint.distributed import load_weights, resolve_checkpoint
 
-    path = latest_checkpoint(src) if os.path.isfile(os.path.join(src, "latest")) else src
-    load_weights(path, role, skip_head=skip_head)
+    load_weights(resolve_checkpoint(src), role, skip_head=skip_head)
+
+
+def prompt_dataset(cfg: Config, path: str):
+    """RL prompts (JSONL with prompt/answer, bare strings, GSM8K) rendered with the generation prompt."""
+    from megarl.data import build_prompt_dataset
+
+    return build_prompt_dataset(path, tokenizer(cfg), cfg.rl.max_prompt_len, cfg.data.bad_records)

@@ -1,8 +1,13 @@
-"""The training loop every stage shares: steps, evaluation, checkpoints, pre-emption, logging.
+"""The loop every stage shares: a stage owns its step; the loop owns time.
 
-Read top to bottom: resume -> for each step: a global batch -> Role.train_step -> log ->
-maybe evaluate -> maybe checkpoint -> maybe stop for pre-emption. Stage-specific work (the
-loss, the evaluation) comes in through `Stage`.
+    step = checkpointer.resume()
+    while step < steps:
+        metrics = stage.step(step); step += 1          # one loop step (SFT: one optimizer step;
+        logger.log(step, metrics)                      #   RL: rollout, scoring, several updates)
+        evaluator.maybe(step); checkpointer.maybe(step); preemption.maybe(step)
+
+Checkpointing, evaluation, metric logging and pre-emption are small objects that decide their
+own timing. Stage-specific work (data, losses, roles) lives in the stage.
 """
 from __future__ import annotations
 
@@ -11,15 +16,13 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from megarl.checkpoint.distributed import latest_checkpoint, load_checkpoint, save_checkpoint
 from megarl.config.schema import Config
-from megarl.runtime.distributed import is_rank0
+from megarl.runtime.distributed import device, is_rank0
 
 log = logging.getLogger("megarl")
 
@@ -30,14 +33,35 @@ class Preempted(Exception):
     """Raised after the pre-emption checkpoint is durable; the CLI exits with EXIT_REQUEUE."""
 
 
-@dataclass
 class Stage:
-    name: str  # "sft", "reward_model": also the run sub-directory and the role name
-    role: object  # megarl.roles.role.Role
-    loss_fn: Callable
-    train_data: object  # an iterator of this DP rank's micro-batches with state_dict()
-    evaluate: Callable[[], tuple[dict, list[dict]]] | None = None  # -> (metrics, sample rows)
-    state: dict = field(default_factory=dict)  # extra state checkpointed with the stage
+    """What the loop drives. Subclasses set `name` and `roles` and implement `step`.
+
+    roles: the trained roles, checkpointed with their optimizer and LR schedule state. Frozen
+    roles (a reference, a reward model) are not saved: they are rebuilt from where they came
+    from. `state_dict()` holds the rest of what a bit-exact resume needs (data position,
+    controllers, sampler RNG).
+    """
+
+    name: str
+    roles: dict
+
+    def step(self, step: int) -> dict:
+        """Loop step `step` (0-based); returns {"train/...": float, "perf/...": float}. Metrics
+        under "perf/" are wall-clock figures: logged, but not expected to repeat on resume."""
+        raise NotImplementedError
+
+    def evaluate(self, step: int) -> tuple[dict, list[dict]] | None:
+        """(metrics, sample rows) after `step` steps, or None for a stage without evaluation."""
+        return None
+
+    has_evaluation = False
+    evaluate_first = False  # also evaluate before the first step (RL: the starting model)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 class PreemptionSignal:
@@ -64,24 +88,24 @@ class PreemptionSignal:
     def requested(self) -> bool:
         flag = torch.tensor([1 if self.received is not None else 0])
         if dist.is_initialized():
-            if torch.cuda.is_available():
-                flag = flag.cuda()
+            flag = flag.to(device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
 
 class MetricsFile:
-    """<stage_dir>/metrics.jsonl, one line per step; on resume, lines after the checkpoint go."""
+    """<stage_dir>/metrics.jsonl, one line per step (and per evaluation); on resume, the lines
+    after the checkpoint's step go, so the file always equals an uninterrupted run's."""
 
     def __init__(self, path: str, resume_step: int):
         self.path = path
+        self.kept: list[dict] = []  # the records before the resume point (rank 0, which owns the file)
         if is_rank0():
-            kept = []
             if resume_step > 0 and os.path.exists(path):
                 with open(path) as f:
-                    kept = [line for line in f if json.loads(line).get("step", 0) <= resume_step]
+                    self.kept = [r for r in map(json.loads, f) if r.get("step", 0) <= resume_step]
             with open(path, "w") as f:
-                f.writelines(kept)
+                f.writelines(json.dumps(r) + "\n" for r in self.kept)
 
     def write(self, record: dict) -> None:
         if is_rank0():
@@ -92,6 +116,11 @@ class MetricsFile:
 class Progress:
     """Rank-0 progress: a tqdm bar on a terminal; in logs (no TTY), a line with ETA every
     `every` steps, so batch jobs' log files stay readable."""
+
+    # the progress line's figures (every metric goes to metrics.jsonl and MLflow)
+    SHOWN = ("train/loss", "train/accuracy", "train/lr", "train/grad_norm", "reward/mean", "reward/accuracy",
+             "kl/mean", "actor/loss", "actor/entropy", "actor/clip_fraction", "critic/loss",
+             "critic/explained_variance", "rollout/response_len_mean", "perf/tokens_per_s", "perf/step_time_s")
 
     def __init__(self, total: int, initial: int, desc: str, every: int):
         import sys
@@ -106,15 +135,15 @@ class Progress:
 
     def update(self, metrics: dict) -> None:
         self.done += 1
-        short = {k.split("/")[1]: f"{v:.4g}" for k, v in metrics.items() if k in ("train/loss", "train/accuracy", "train/lr")}
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(short)
+            shown = [k for k in self.SHOWN if k in metrics][:4]
+            self.bar.set_postfix({k.split("/")[1]: f"{metrics[k]:.4g}" for k in shown})
         if is_rank0() and (self.done % self.every == 0 or self.done == self.total):
             rate = (time.perf_counter() - self.start) / max(self.done - self.start_step, 1)
             eta = int(rate * (self.total - self.done))
             self.write(f"{self.desc} step {self.done}/{self.total} ({100 * self.done // self.total}%, "
-                       f"ETA {eta // 60}:{eta % 60:02d}) | {_fmt(metrics)}")
+                       f"ETA {eta // 60}:{eta % 60:02d}) | {_fmt({k: metrics[k] for k in self.SHOWN if k in metrics})}")
 
     def write(self, line: str) -> None:
         if self.bar is not None:
@@ -127,108 +156,156 @@ class Progress:
             self.bar.close()
 
 
-def run_stage(cfg: Config, stage: Stage, stage_dir: str, tracker) -> dict:
-    """Train `stage` for cfg.train.steps optimizer steps; returns the final metrics."""
-    from megatron.core import parallel_state as ps
+class MetricLogger:
+    """Every step's and evaluation's metrics to MLflow, metrics.jsonl and the progress line."""
 
-    t = cfg.train
-    ckpt_root = os.path.join(stage_dir, "checkpoints")
-    roles = {stage.name: stage.role}
-    step = 0
-    latest = latest_checkpoint(ckpt_root) if cfg.checkpoint.resume else None
-    if latest is not None:
-        saved = load_checkpoint(latest, roles)
-        stage.train_data.load_state_dict(saved["data"])
-        stage.state.update(saved.get("extra", {}))
-        step = saved["step"]
-        if is_rank0():
-            log.info("resumed %s from %s (step %d)", stage.name, latest, step)
-    last_saved = step if latest is not None else None  # the newest durable checkpoint's step
-    metrics_file = MetricsFile(os.path.join(stage_dir, "metrics.jsonl"), step)
-    n_micro = cfg.data.global_batch_size // (cfg.data.micro_batch_size * ps.get_data_parallel_world_size())
-    tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_length
-    final: dict = {}
-    saves = None  # megatron-core's queue of background checkpoint writes (checkpoint.async_save)
-    if cfg.checkpoint.async_save:
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    def __init__(self, tracker, stage_dir: str, name: str, total: int, resume_step: int, every: int):
+        self.tracker, self.name = tracker, name
+        self.file = MetricsFile(os.path.join(stage_dir, "metrics.jsonl"), resume_step)
+        self.progress = Progress(total, resume_step, name, every)
+        self.final: dict = {}  # the latest value of every metric, the resumed-from part included
+        for record in self.file.kept:
+            self.final.update({k: v for k, v in record.items() if k != "step"})
 
-        saves = AsyncCallsQueue()
+    def log(self, step: int, metrics: dict) -> None:
+        self.tracker.log_metrics(metrics, step=step)
+        self.file.write({"step": step, **metrics})
+        self.final.update(metrics)
+        self.progress.update(metrics)
 
-    def wait_for_saves() -> None:
-        if saves is not None:
-            saves.maybe_finalize_async_calls(blocking=True)
-
-    def checkpoint(at: int) -> None:
-        nonlocal last_saved
-        if last_saved == at:
-            return
-        wait_for_saves()  # one write in flight at a time: the previous one is published first
-        save_checkpoint(ckpt_root, at, roles, {"data": stage.train_data.state_dict(), "extra": stage.state},
-                        keep_last=cfg.checkpoint.keep_last, async_queue=saves,
-                        on_durable=lambda path: tracker.log_checkpoint(path, at))
-        last_saved = at
-
-    def evaluate(at: int) -> dict:
-        metrics, rows = stage.evaluate()
+    def log_eval(self, step: int, metrics: dict, rows: list[dict]) -> None:
         metrics = {f"eval/{k}": v for k, v in metrics.items()}
-        tracker.log_metrics(metrics, step=at)
+        self.tracker.log_metrics(metrics, step=step)
         if rows:
-            tracker.log_table(rows, name=f"{stage.name}_samples", step=at)
-        metrics_file.write({"step": at, **metrics})
-        bar.write(f"{stage.name} eval @ step {at}: {_fmt(metrics)}")
-        return metrics
+            self.tracker.log_table(rows, name=f"{self.name}_samples", step=step)
+        self.file.write({"step": step, **metrics})
+        self.final.update(metrics)
+        self.progress.write(f"{self.name} eval @ step {step}: {_fmt(metrics)}")
 
-    bar = Progress(t.steps, step, stage.name, t.log_interval)
+
+class Evaluator:
+    """Evaluates every `interval` steps and after the last one (interval 0: never), and before
+    the first step for a stage whose `evaluate_first` is true."""
+
+    def __init__(self, stage: Stage, interval: int, total: int, logger: MetricLogger):
+        self.stage, self.interval, self.total, self.logger = stage, interval, total, logger
+
+    def maybe(self, step: int) -> None:
+        if not self.stage.has_evaluation or not self.interval:
+            return
+        if step == 0:
+            due = self.stage.evaluate_first
+        else:
+            due = step % self.interval == 0 or step == self.total
+        if due:
+            metrics, rows = self.stage.evaluate(step)
+            self.logger.log_eval(step, metrics, rows)
+
+
+class Checkpointer:
+    """Saves the stage's trained roles and state every `save_interval` steps, at pre-emption and
+    at the end; resumes from `latest`. With checkpoint.async_save, megatron-core's
+    AsyncCallsQueue writes in the background and a save is published once written everywhere."""
+
+    def __init__(self, cfg: Config, stage: Stage, root: str, tracker):
+        self.cfg, self.stage, self.root, self.tracker = cfg.checkpoint, stage, root, tracker
+        self.last_saved: int | None = None  # the newest durable (or in-flight) checkpoint's step
+        self.queue = None
+        if self.cfg.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.queue = AsyncCallsQueue()
+
+    def resume(self) -> int:
+        latest = latest_checkpoint(self.root) if self.cfg.resume else None
+        if latest is None:
+            return 0
+        saved = load_checkpoint(latest, self.stage.roles)
+        self.stage.load_state_dict(saved["stage"])
+        self.last_saved = saved["step"]
+        if is_rank0():
+            log.info("resumed %s from %s (step %d)", self.stage.name, latest, saved["step"])
+        return saved["step"]
+
+    def save(self, step: int) -> None:
+        if self.last_saved == step:
+            return
+        self.wait()  # one write in flight at a time: the previous one is published first
+        save_checkpoint(self.root, step, self.stage.roles, {"stage": self.stage.state_dict()},
+                        keep_last=self.cfg.keep_last, async_queue=self.queue,
+                        on_durable=lambda path: self.tracker.log_checkpoint(path, step))
+        self.last_saved = step
+
+    def maybe(self, step: int) -> None:
+        if self.cfg.save_interval and step % self.cfg.save_interval == 0:
+            self.save(step)
+        if self.queue is not None and self.queue.get_num_unfinalized_calls():
+            self.queue.maybe_finalize_async_calls(blocking=False)  # publish a finished write
+
+    def wait(self) -> None:
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=True)
+
+    def abort(self) -> None:
+        """On a failing rank: no collectives; stop the writers. Their unpublished .tmp-
+        directory is never loaded."""
+        if self.queue is not None:
+            for call in self.queue.async_calls:
+                call.async_caller.close(abort=True)
+
+
+def run_stage(cfg: Config, stage: Stage, stage_dir: str, tracker) -> dict:
+    """Run `stage` for cfg.train.steps loop steps; returns the final metrics."""
+    total = cfg.train.steps
+    checkpointer = Checkpointer(cfg, stage, os.path.join(stage_dir, "checkpoints"), tracker)
+    step = checkpointer.resume()
+    logger = MetricLogger(tracker, stage_dir, stage.name, total, step, cfg.train.log_interval)
+    evaluator = Evaluator(stage, cfg.train.eval_interval, total, logger)
+    if step == 0:
+        evaluator.maybe(0)  # the starting point, for stages that ask (RL: the model it starts from)
     try:
-        with PreemptionSignal() as preempt:
-            while step < t.steps:
+        with PreemptionSignal() as preemption:
+            while step < total:
                 start = time.perf_counter()
-                microbatches = [next(stage.train_data) for _ in range(n_micro)]
-                result = stage.role.train_step(microbatches, stage.loss_fn)
+                metrics = stage.step(step)
                 step += 1
-                dt = time.perf_counter() - start
-                record = {f"train/{k}": v for k, v in result.metrics.items()}
-                record.update({"train/lr": result.lr, "train/grad_norm": result.grad_norm,
-                               "train/step_time_s": dt, "train/tokens_per_s": tokens_per_step / dt})
-                if result.skipped:
-                    record["train/skipped_steps"] = 1
-                tracker.log_metrics(record, step=step)
-                # wall-clock figures stay out of the file, so a resumed run's file equals an uninterrupted one's
-                metrics_file.write({"step": step, **{k: v for k, v in record.items() if "time" not in k and "per_s" not in k}})
-                final.update(record)
-                bar.update(record)
-                if stage.evaluate is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.steps):
-                    final.update(evaluate(step))
-                if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
-                    checkpoint(step)
-                if saves is not None and saves.get_num_unfinalized_calls():
-                    saves.maybe_finalize_async_calls(blocking=False)  # publish a finished write
-                if preempt.requested():
-                    checkpoint(step)
-                    wait_for_saves()
-                    bar.close()
-                    raise Preempted(f"{stage.name}: pre-empted at step {step}; checkpoint saved, exiting {EXIT_REQUEUE} for requeue")
-        bar.close()
-        checkpoint(step)  # the final state (a no-op if this step is already saved)
-        wait_for_saves()
+                metrics["perf/step_time_s"] = time.perf_counter() - start
+                logger.log(step, metrics)
+                evaluator.maybe(step)
+                checkpointer.maybe(step)
+                if preemption.requested():
+                    checkpointer.save(step)
+                    checkpointer.wait()
+                    logger.progress.close()
+                    raise Preempted(f"{stage.name}: pre-empted at step {step}; checkpoint saved, "
+                                    f"exiting {EXIT_REQUEUE} for requeue")
+        logger.progress.close()
+        checkpointer.save(step)  # the final state (a no-op if this step is already saved)
+        checkpointer.wait()
     except BaseException as e:
-        if saves is not None and not isinstance(e, Preempted):
-            for call in saves.async_calls:  # no collectives on a failing rank: stop the writers;
-                call.async_caller.close(abort=True)  # their unpublished .tmp- directory is never loaded
+        if not isinstance(e, Preempted):
+            checkpointer.abort()
         raise
-    return final
+    return logger.final
 
 
-def train_stage(cfg: Config, name: str, build: Callable[[Config, str], Stage]) -> dict:
-    """A stage's whole process: session (processes, run dir, tracking) around `run_stage`."""
+def train_stage(cfg: Config, name: str, build, keep_process_group: bool = False) -> dict:
+    """A stage's whole process: session (processes, run dir, tracking) around `run_stage`.
+    `build(cfg, stage_dir) -> Stage`."""
     from megarl.trainers.session import stage_session
 
-    with stage_session(cfg, name) as s:
+    with stage_session(cfg, name, keep_process_group) as s:
         final = run_stage(cfg, build(cfg, s.stage_dir), s.stage_dir, s.tracker)
         if is_rank0():
-            log.info("%s done: %s", name, {k: round(v, 4) for k, v in final.items() if k.startswith("eval/")})
+            shown = {k: v for k, v in final.items() if k.startswith("eval/")} or \
+                {k: v for k, v in final.items() if k.startswith("train/")}
+            log.info("%s done: %s | %s", name, _fmt(shown), os.path.join(s.stage_dir, "metrics.jsonl"))
         return final
 
 
 def _fmt(metrics: dict) -> str:
-    return " | ".join(f"{k.split('/', 1)[-1]} {v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))
+    """'train/loss 1.2 | reward/mean 0.3': train/ and eval/ figures by their short name."""
+    def name(k):
+        return k.split("/", 1)[1] if k.startswith(("train/", "eval/", "perf/")) else k
+
+    return " | ".join(f"{name(k)} {v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float)))

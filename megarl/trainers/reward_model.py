@@ -13,11 +13,12 @@ import os
 import torch
 
 from megarl.algorithms.losses import bradley_terry
-from megarl.checkpoint.distributed import latest_checkpoint, load_weights
+from megarl.checkpoint.distributed import MANIFEST, load_weights, resolve_checkpoint
 from megarl.config import Config, ConfigError
 from megarl.roles.role import Role
 from megarl.trainers import data_setup
-from megarl.trainers.loop import Stage, train_stage
+from megarl.trainers.common import SupervisedStage
+from megarl.trainers.loop import train_stage
 
 log = logging.getLogger("megarl")
 
@@ -66,15 +67,14 @@ def sft_source(cfg: Config) -> str | None:
     if not src:
         return None
     root = os.path.join(os.path.abspath(cfg.train.run_dir), "sft", "checkpoints") if src == "sft" else src
-    if os.path.isfile(os.path.join(root, "latest")):
-        return latest_checkpoint(root)
-    if os.path.isfile(os.path.join(root, "megarl_manifest.json")):
-        return root
+    path = resolve_checkpoint(root)
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
     hint = "run `megarl sft` with the same train.run_dir first, or set reward_model.init_from=null" if src == "sft" else "expected a checkpoint directory"
     raise ConfigError(f"reward_model.init_from={src}: no checkpoint at {root}; {hint}")
 
 
-def build_stage(cfg: Config, stage_dir: str) -> Stage:
+def build_stage(cfg: Config, stage_dir: str) -> SupervisedStage:
     r = cfg.reward_model
     tok = data_setup.tokenizer(cfg)
     paths = data_setup.stage_paths(cfg, STAGE)
@@ -96,7 +96,10 @@ def build_stage(cfg: Config, stage_dir: str) -> Stage:
         mbs = [pair_batch(b) for b in data_setup.eval_microbatches(cfg, eval_ds)]
         return role.evaluate(mbs, loss), []
 
-    return Stage(STAGE, role, loss, train, evaluate if eval_ds is not None else None)
+    # a pair is two sequences: tokens/s counts both sides
+    return SupervisedStage(STAGE, role, lambda step: loss, train, global_batch_size=cfg.data.global_batch_size,
+                           micro_batch_size=cfg.data.micro_batch_size, tokens_per_sample=2 * cfg.data.seq_length,
+                           evaluate=evaluate if eval_ds is not None else None)
 
 
 def main(cfg: Config) -> dict:

@@ -11,10 +11,9 @@ import os
 import sys
 from dataclasses import dataclass
 
-import torch.distributed as dist
 
-from megarl.config import Config, config_to_dict, config_to_yaml, save_config
-from megarl.runtime.distributed import ProcessEnv, init_distributed, is_rank0, teardown
+from megarl.config import Config, config_to_dict, save_config
+from megarl.runtime.distributed import ProcessEnv, barrier, init_distributed, is_rank0, teardown
 
 log = logging.getLogger("megarl")
 
@@ -36,13 +35,8 @@ def setup_logging(rank: int) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 @contextlib.contextmanager
-def stage_session(cfg: Config, stage: str):
+def stage_session(cfg: Config, stage: str, keep_process_group: bool = False):
     from megarl.tracking import create_tracker
 
     p = cfg.parallel
@@ -52,13 +46,16 @@ def stage_session(cfg: Config, stage: str):
     run_dir = os.path.abspath(cfg.train.run_dir)
     stage_dir = os.path.join(run_dir, stage)
     parent = tracker = None
+    status = "FAILED"
     try:
         if is_rank0():
             os.makedirs(stage_dir, exist_ok=True)
             save_config(cfg, os.path.join(stage_dir, "config.yaml"))
-            log.info("megarl %s: world size %d (tp=%d pp=%d cp=%d dp=%d), run dir %s\nresolved config:\n%s",
+            log.info("megarl %s: world size %d (tp=%d pp=%d cp=%d dp=%d); model %d layers x %d hidden; "
+                     "%d steps of %d x %d tokens, lr %g, %s; resolved config: %s",
                      stage, env.world_size, p.tp, p.pp, p.cp, env.world_size // (p.tp * p.pp * p.cp),
-                     stage_dir, config_to_yaml(cfg))
+                     cfg.model.num_layers, cfg.model.hidden_size, cfg.train.steps, cfg.data.global_batch_size,
+                     cfg.data.seq_length, cfg.optim.lr, cfg.train.precision, os.path.join(stage_dir, "config.yaml"))
         barrier()
         t = cfg.tracking
         parent = create_tracker(run_dir, None, backend=t.backend, rank=env.rank, uri=t.uri,
@@ -70,8 +67,23 @@ def stage_session(cfg: Config, stage: str):
         if is_rank0():
             tracker.log_artifact(os.path.join(stage_dir, "config.yaml"))
         yield Session(cfg, env, run_dir, stage_dir, tracker)
+    except BaseException as e:
+        status = _status_of(e)
+        if status == "KILLED" and tracker is not None:  # resumes continue this run
+            tracker.set_tags({"megarl.preempted": "true"})
+        raise
+    else:
+        status = "FINISHED"
     finally:
         for tr in (tracker, parent):
             if tr is not None:
-                tr.close()
-        teardown()
+                tr.close(status)
+        teardown(keep_process_group)
+
+
+def _status_of(exc: BaseException) -> str:
+    """The MLflow status of a stage that ended in `exc`: KILLED when pre-empted (checkpoint
+    saved, requeued) or interrupted, FAILED otherwise."""
+    from megarl.trainers.loop import Preempted
+
+    return "KILLED" if isinstance(exc, (Preempted, KeyboardInterrupt)) else "FAILED"

@@ -13,20 +13,23 @@ from megarl.algorithms.losses import masked_nll
 from megarl.config import Config
 from megarl.models.gpt import vocab_parallel_argmax
 from megarl.roles.role import Role
-from megarl.rollout.greedy import greedy_generate
+from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
 from megarl.trainers import data_setup
-from megarl.trainers.common import token_logprobs
-from megarl.trainers.loop import Stage, train_stage
+from megarl.trainers.common import SupervisedStage, token_logprobs
+from megarl.trainers.loop import train_stage
 
 STAGE = "sft"
 
 
-def sft_loss(vocab_size: int, with_exact_match: bool = False):
-    """Loss closure for the Role contract; token accuracy always, sequence exact-match in eval."""
+def sft_loss(vocab_size: int, with_accuracy: bool = True, with_exact_match: bool = False):
+    """Loss closure for the Role contract. Token accuracy (an argmax over the whole vocabulary,
+    so only on the steps that log it) and, in evaluation, sequence exact-match."""
 
     def loss_fn(batch, logits):  # logits [b, s, V_pad/tp]
         labels, mask = batch["labels"], batch["loss_mask"]
         loss_sum, count, metrics = masked_nll(token_logprobs(logits, labels, vocab_size), mask)
+        if not with_accuracy:
+            return loss_sum, count, metrics
         with torch.no_grad():
             hit = (vocab_parallel_argmax(logits.detach()) == labels) & (mask > 0)  # [b, s]
             metrics["accuracy"] = torch.stack([hit.sum().double(), mask.sum().double()])
@@ -39,7 +42,7 @@ def sft_loss(vocab_size: int, with_exact_match: bool = False):
     return loss_fn
 
 
-def build_stage(cfg: Config, stage_dir: str) -> Stage:
+def build_stage(cfg: Config, stage_dir: str) -> SupervisedStage:
     tok = data_setup.tokenizer(cfg)
     paths = data_setup.stage_paths(cfg, STAGE)
     role = Role(STAGE, cfg.model, cfg.parallel, head="lm", precision=cfg.train.precision, fp8=cfg.train.fp8,
@@ -48,13 +51,15 @@ def build_stage(cfg: Config, stage_dir: str) -> Stage:
     train = data_setup.train_iterator(cfg, paths["train"], "sft", tok, stage_dir)
     eval_ds = data_setup.dataset(cfg, paths["eval"], "sft", tok, packing=False) if paths["eval"] else None
     samples = data_setup.eval_prompts(cfg, paths["eval"], tok, cfg.sft.eval_samples) if paths["eval"] else []
+    engine = MegatronRolloutEngine(role, vocab_size=cfg.model.vocab_size, pad_id=tok.pad_id) if samples else None
 
     def evaluate():
-        metrics = role.evaluate(data_setup.eval_microbatches(cfg, eval_ds), sft_loss(cfg.model.vocab_size, True))
+        metrics = role.evaluate(data_setup.eval_microbatches(cfg, eval_ds), sft_loss(cfg.model.vocab_size, True, True))
         rows = []
         if samples:
-            outs = greedy_generate(role, [s["prompt_ids"] for s in samples], max_new_tokens=cfg.sft.max_new_tokens,
-                                   stop_ids=tok.stop_ids, pad_id=tok.pad_id, vocab_size=cfg.model.vocab_size)
+            greedy = SamplingParams(greedy=True, max_new_tokens=cfg.sft.max_new_tokens, logprobs=False,
+                                    stop_ids=tuple(tok.stop_ids))
+            outs = engine.generate([s["prompt_ids"] for s in samples], greedy, seed=0).responses()
             from megarl.data import is_correct
 
             for s, out in zip(samples, outs):
@@ -64,7 +69,15 @@ def build_stage(cfg: Config, stage_dir: str) -> Stage:
             metrics["sample_accuracy"] = sum(r["correct"] for r in rows) / len(rows)
         return metrics, rows
 
-    return Stage(STAGE, role, sft_loss(cfg.model.vocab_size), train, evaluate if eval_ds is not None else None)
+    t = cfg.train
+
+    def loss_for_step(step: int):  # accuracy on the steps the progress line and the log show
+        logged = (step + 1) % t.log_interval == 0 or step + 1 == t.steps
+        return sft_loss(cfg.model.vocab_size, with_accuracy=logged)
+
+    return SupervisedStage(STAGE, role, loss_for_step, train, global_batch_size=cfg.data.global_batch_size,
+                           micro_batch_size=cfg.data.micro_batch_size, tokens_per_sample=cfg.data.seq_length,
+                           evaluate=evaluate if eval_ds is not None else None)
 
 
 def main(cfg: Config) -> dict:

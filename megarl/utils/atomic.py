@@ -1,8 +1,46 @@
-"""Write a directory of files atomically: a crash never leaves a half-written dataset behind."""
+"""Atomic writes: a crash never leaves a half-written file or directory behind.
+
+The one place megarl writes a file atomically (`write_atomic`: configs, manifests, `latest`
+pointers, tracking state, model.yaml) or a directory of files (`atomic_directory`: datasets,
+shards, HF exports).
+"""
+from __future__ import annotations
+
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | os.PathLike, text: str, *, durable: bool = True) -> None:
+    """Replace `path` with `text` in one step: readers see the old file or the new one, never a
+    part. The temporary file is unique, so concurrent writers never share it. `durable` also
+    fsyncs the file and its directory (a power cut keeps the new file once this returns)."""
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    if durable:
+        _fsync_dir(parent)
 
 
 @contextmanager

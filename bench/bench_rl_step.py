@@ -1,0 +1,405 @@
+"""CPU benchmark: seconds per GRPO step, megarl's RLStage vs TRL's GRPOTrainer, same model and batch.
+
+    python bench/bench_rl_step.py [--quick] [--steps 3] [--threads 1] [--hidden 512] [--ffn 1408]
+                                  [--layers 8] [--heads 8] [--kv-heads 8] [--vocab 32000]
+                                  [--prompts 8] [--samples 8] [--prompt-len 32] [--new-tokens 128]
+                                  [--micro-batch 8] [--beta 0.04] [--no-trl] [--profile]
+
+One random Llama is built with transformers (default init, seeded) and saved with a 32k-word
+WordLevel tokenizer (ids are words "w<id>"; its chat template renders the bare prompt, so both
+frameworks feed identical prompt ids). megarl imports it (roles.actor/reference.init_from = the
+directory) and runs `RLStage.step` in this process; TRL runs `GRPOTrainer` on the same directory
+in a subprocess of its own venv (bench/.venv-trl, created on first use with
+`python -m venv --system-site-packages` + `pip install trl`, reused afterwards).
+
+Both: `prompts` x `samples` rows, `new-tokens` sampled tokens at temperature 1, one PPO epoch, one
+optimizer step over micro-batches of `micro-batch` rows, KL-to-reference loss term (k3) with
+coefficient `beta`, fp32, the same rule reward (fraction of response words whose id ends in 7).
+No evaluation, logging or checkpointing happens inside a step (megarl: `step()` only; TRL:
+logging/save/eval strategies "no", report_to none). One warm-up step each, then `steps` timed
+steps, interleaved megarl, TRL, megarl, ... (TRL's worker blocks between steps in a callback, so
+the two never run at once). Reported: best and median wall seconds per step and CPU seconds
+(user+sys of the process, all threads: less sensitive to other load on a shared machine), and
+each one's phase breakdown: megarl's `perf/<phase>_s`; TRL's from timers wrapped around its
+`_generate`, `_get_per_token_logps_and_entropies` (reference), `_calculate_rewards` and
+`_generate_and_score_completions` (train = the rest of the step).
+--profile prints torch.profiler's top ops for one more megarl step.
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV = os.path.join(ROOT, "bench", ".venv-trl")
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the bare prompt, both frameworks
+
+
+def reward(prompts, completions, *args, **kwargs):
+    """Rule reward shared by both frameworks: the fraction of response words whose id ends in 7
+    (about 0.1 for a random policy, varying within a group, so GRPO's advantages are not all 0)."""
+    out = []
+    for text in completions:
+        words = text.split()
+        out.append(sum(w.endswith("7") for w in words) / max(len(words), 1))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The shared model, tokenizer and prompts
+
+
+def build_assets(args, out: str) -> tuple[str, str]:
+    """A random transformers Llama + WordLevel tokenizer in out/model, prompts in out/prompts.jsonl."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    model_dir = os.path.join(out, "model")
+    words = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, args.vocab)}}
+    tk = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.add_special_tokens(["<pad>", "<eos>", "<unk>"])
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", pad_token="<pad>",
+                                                  unk_token="<unk>")
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(model_dir)
+
+    config = transformers.LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+        max_position_embeddings=args.max_pos, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(model_dir, safe_serialization=True)
+
+    rng = random.Random(0)
+    prompts_file = os.path.join(out, "prompts.jsonl")
+    with open(prompts_file, "w") as f:
+        for _ in range(8 * args.prompts):  # every prompt has exactly prompt_len tokens
+            f.write(json.dumps({"prompt": " ".join(f"w{rng.randrange(3, args.vocab)}"
+                                                   for _ in range(args.prompt_len))}) + "\n")
+    return model_dir, prompts_file
+
+
+# ---------------------------------------------------------------------------------------------
+# megarl, in this process
+
+
+def build_megarl(args, model_dir: str, prompts_file: str, work: str):
+    from megarl.config import load_config
+    from megarl.runtime.distributed import init_distributed
+    from megarl.trainers.rl import RLStage
+
+    rows = args.prompts * args.samples
+    overrides = [
+        f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={args.ffn}",
+        f"model.num_attention_heads={args.heads}", f"model.num_kv_heads={args.kv_heads}",
+        f"model.vocab_size={args.vocab}", f"model.max_position_embeddings={args.max_pos}",
+        "model.rotary_base=10000", "model.norm_eps=1e-5", "model.tie_embeddings=false",
+        "tokenizer.kind=hf", f"tokenizer.path={model_dir}",
+        f"roles.actor.init_from={model_dir}", f"roles.reference.init_from={model_dir}",
+        f"rl.prompts_path={prompts_file}", "rl.eval_prompts=0", "rl.eval_before_train=false",
+        f"rl.prompts_per_step={args.prompts}", f"rl.samples_per_prompt={args.samples}",
+        f"rl.max_prompt_len={args.prompt_len}", f"rl.max_new_tokens={args.new_tokens}", "rl.temperature=1.0",
+        "rl.top_k=0", "rl.top_p=1.0", f"rl.rollout_batch_size={rows}",
+        "rl.ppo_epochs=1", "rl.mini_batches=1", f"rl.micro_batch_size={args.micro_batch}",
+        f"rl.kl_coef={args.beta}", "rl.kl_in=loss", "rl.kl_estimator=k3", "rl.clip_low=0.2", "rl.clip_high=0.2",
+        "rl.loss_agg=token-mean", f"rl.reward_fn={os.path.abspath(__file__)}:reward",
+        "optim.lr=1e-6", "optim.weight_decay=0.0", "optim.clip_grad=1.0", "lr_schedule.style=constant",
+        "train.precision=fp32", "train.seed=1", f"train.run_dir={work}", "tracking.backend=none",
+        "checkpoint.save_interval=0"]
+    cfg = load_config(os.path.join(ROOT, "megarl", "configs", "tiny_grpo.yaml"), overrides)
+    init_distributed(1, 1, seed=cfg.train.seed)
+    return RLStage(cfg, os.path.join(work, "rl"))
+
+
+PHASES = ("generate", "score_actor", "score_reference", "advantages", "train_actor")
+
+
+def megarl_step(stage, step: int) -> dict:
+    t0, c0 = time.perf_counter(), time.process_time()
+    m = stage.step(step)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if m.get("train/skipped_steps"):
+        raise RuntimeError(f"megarl skipped step {step}: {m}")
+    return {"wall": wall, "cpu": cpu, "phases": {p: m.get(f"perf/{p}_s", 0.0) for p in PHASES},
+            "response_len": m["rollout/response_len_mean"], "reward": m["reward/mean"], "kl": m.get("kl/mean")}
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL, in a subprocess of its own venv
+
+
+def ensure_trl_venv(spec: str) -> str:
+    """bench/.venv-trl/bin/python with TRL importable (created and installed on first use)."""
+    python = os.path.join(VENV, "bin", "python")
+    probe = [python, "-c", "import trl, transformers, datasets, accelerate"]
+    if os.path.exists(python) and subprocess.run(probe, capture_output=True).returncode == 0:
+        return python
+    print(f"creating {VENV} and installing {spec} (once) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", VENV], check=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", spec, "datasets", "accelerate"], check=True)
+    subprocess.run(probe, check=True)
+    return python
+
+
+class TRLWorker:
+    """The TRL subprocess: after `start`, `step()` lets it run one training step and returns its result."""
+
+    def __init__(self, python: str, args, model_dir: str, prompts_file: str, work: str):
+        cmd = [python, os.path.abspath(__file__), "--trl-worker", "--model-dir", model_dir,
+               "--prompts-file", prompts_file, "--work", work]
+        for key in ("steps", "threads", "prompts", "samples", "new_tokens", "micro_batch", "beta"):
+            cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+        self.log_path = os.path.join(work, "trl_worker.log")
+        self.log = open(self.log_path, "w")
+        env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false",
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                     text=True, bufsize=1, env=env)
+
+    def _expect(self, tag: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(tag):
+                return line[len(tag):].strip()
+            self.log.write(line)
+        self.log.flush()
+        with open(self.log_path) as f:
+            tail = f.read()[-4000:]
+        raise RuntimeError(f"TRL worker exited {self.proc.wait()} before {tag.strip()}; its log:\n{tail}")
+
+    def wait_ready(self) -> None:
+        self._expect("TRL_READY")
+
+    def step(self) -> dict:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        result = json.loads(self._expect("TRL_STEP"))
+        return result
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def trl_worker(args) -> None:
+    """Runs inside the TRL venv: GRPOTrainer on args.model_dir, one step per 'go' line on stdin."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = args.prompts * args.samples
+    total_steps = args.steps + 1
+    with open(args.prompts_file) as f:
+        ds = Dataset.from_list([json.loads(line) for line in f])
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    config = GRPOConfig(
+        output_dir=os.path.join(args.work, "trl"), per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=rows // args.micro_batch, num_generations=args.samples,
+        max_completion_length=args.new_tokens, num_iterations=1, beta=args.beta, epsilon=0.2,
+        temperature=1.0, top_p=1.0, top_k=0, learning_rate=1e-6, weight_decay=0.0, max_grad_norm=1.0,
+        lr_scheduler_type="constant", warmup_steps=0, max_steps=total_steps, seed=1, use_cpu=True,
+        bf16=False, fp16=False, model_init_kwargs={"dtype": torch.float32}, loss_type="dapo",
+        logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none",
+        log_completions=False, disable_tqdm=True, dataloader_num_workers=0)
+
+    phases: dict = {}
+    in_scoring = [False]
+
+    class Clock(TrainerCallback):
+        """Blocks between steps until the parent says go; reports each step's wall and CPU seconds."""
+
+        def _wait(self):
+            print("TRL_READY", flush=True)
+            if not sys.stdin.readline():
+                os._exit(0)
+            phases.clear()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+        def on_train_begin(self, *a, **k):
+            self._wait()
+
+        def on_step_end(self, cb_args, state, control, **k):
+            wall, cpu = time.perf_counter() - self.t0, time.process_time() - self.c0
+            p = dict(phases)
+            gen_score = p.pop("generate_and_score", 0.0)
+            p["advantages"] = gen_score - sum(p.get(n, 0.0) for n in ("generate", "score_actor", "score_reference",
+                                                                      "rewards"))
+            p["train_actor"] = wall - gen_score
+            lengths = trainer._metrics["train"].get("completions/mean_length", [float("nan")])
+            print("TRL_STEP " + json.dumps({"wall": wall, "cpu": cpu, "phases": p, "response_len": lengths[-1]}),
+                  flush=True)
+            if state.global_step < total_steps:
+                self._wait()
+
+    trainer = GRPOTrainer(model=args.model_dir, reward_funcs=[reward], args=config, train_dataset=ds,
+                          processing_class=tok, callbacks=[Clock()])
+
+    def timed(name, fn, flag=False):
+        def wrapper(*a, **k):
+            if flag:
+                in_scoring[0] = True
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+                if flag:
+                    in_scoring[0] = False
+        return wrapper
+
+    logps = trainer._get_per_token_logps_and_entropies
+
+    def logps_timed(model, *a, **k):
+        if not in_scoring[0]:  # the training forward: part of train_actor
+            return logps(model, *a, **k)
+        name = "score_reference" if model is trainer.ref_model else "score_actor"
+        return timed(name, logps)(model, *a, **k)
+
+    trainer._get_per_token_logps_and_entropies = logps_timed
+    trainer._generate = timed("generate", trainer._generate)
+    trainer._calculate_rewards = timed("rewards", trainer._calculate_rewards)
+    trainer._generate_and_score_completions = timed("generate_and_score", trainer._generate_and_score_completions,
+                                                    flag=True)
+    trainer.train()
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def summary(results: list[dict]) -> dict:
+    walls, cpus = [r["wall"] for r in results], [r["cpu"] for r in results]
+    phase_names = list(results[0]["phases"])
+    return {"best": min(walls), "median": statistics.median(walls), "cpu_best": min(cpus),
+            "cpu_median": statistics.median(cpus),
+            "phases": {p: statistics.median(r["phases"][p] for r in results) for p in phase_names},
+            "response_len": statistics.mean(r["response_len"] for r in results)}
+
+
+def report(args, mg: dict, trl: dict | None) -> None:
+    rows = args.prompts * args.samples
+    print(f"\n## RL step: GRPO, {args.prompts} prompts x {args.samples} samples, prompt {args.prompt_len} + "
+          f"{args.new_tokens} new tokens, Llama hidden {args.hidden}, ffn {args.ffn}, {args.layers} layers, "
+          f"{args.heads} heads ({args.kv_heads} KV), vocab {args.vocab}, fp32, 1 PPO epoch, 1 optimizer step "
+          f"of {rows // args.micro_batch} micro-batches x {args.micro_batch}, beta {args.beta}, "
+          f"{args.threads} thread(s), 1 warm-up + {args.steps} timed steps each, interleaved\n")
+    print("| framework | best s/step (wall) | median s/step (wall) | best CPU-s/step | median CPU-s/step "
+          "| mean response length |")
+    print("|---|---|---|---|---|---|")
+    for name, s in (("megarl", mg), ("TRL GRPOTrainer", trl)):
+        if s is not None:
+            print(f"| {name} | {s['best']:.2f} | {s['median']:.2f} | {s['cpu_best']:.2f} | {s['cpu_median']:.2f} "
+                  f"| {s['response_len']:.1f} |")
+    if trl is not None:
+        print()
+        for what, a, b in (("wall", "best", "median"), ("CPU", "cpu_best", "cpu_median")):
+            print(f"megarl / TRL seconds per step ({what}): {mg[a] / trl[a]:.2f}x best, "
+                  f"{mg[b] / trl[b]:.2f}x median (target <= 0.5x)")
+    print("\nPhase breakdown, median wall seconds per step (TRL: from timers around its methods; "
+          "score_actor 0 = TRL reuses the training forward as old log-probs when on-policy):\n")
+    names = list(PHASES) + (["rewards"] if trl is not None else [])
+    print("| phase | megarl s | megarl % | TRL s | TRL % |")
+    print("|---|---|---|---|---|")
+    for p in names:
+        m = mg["phases"].get(p)
+        t = trl["phases"].get(p, 0.0) if trl is not None else None
+        ms = f"{m:.2f} | {100 * m / mg['median']:.0f}%" if m is not None else "(in score_reference) | -"
+        ts = f"{t:.2f} | {100 * t / trl['median']:.0f}%" if t is not None else "- | -"
+        print(f"| {p} | {ms} | {ts} |")
+    tokens = rows * args.new_tokens
+    print(f"\ngenerate: megarl {tokens / mg['phases']['generate']:.0f} new tokens/s"
+          + (f", TRL {tokens / trl['phases']['generate']:.0f} new tokens/s" if trl is not None else "")
+          + f" (at full length {args.new_tokens})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="hidden 128, 2 layers, vocab 4096, 2 prompts x 4 samples, 16 new tokens, 1 timed step")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps each, after one warm-up step")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--ffn", type=int, default=1408)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward/backward micro-batch")
+    ap.add_argument("--beta", type=float, default=0.04, help="KL coefficient")
+    ap.add_argument("--no-trl", action="store_true", help="time megarl only")
+    ap.add_argument("--trl-spec", default="trl==1.16.0", help="what pip installs into bench/.venv-trl")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler top ops of one more megarl step")
+    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.trl_worker:
+        return trl_worker(args)
+    if args.quick:
+        args.hidden, args.ffn, args.layers, args.heads, args.kv_heads, args.vocab = 128, 352, 2, 4, 4, 4096
+        args.prompts, args.samples, args.new_tokens, args.micro_batch, args.steps = 2, 4, 16, 4, 1
+    rows = args.prompts * args.samples
+    if rows % args.micro_batch:
+        ap.error(f"--micro-batch ({args.micro_batch}) must divide prompts x samples ({rows})")
+    args.max_pos = max(256, args.prompt_len + args.new_tokens)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, ROOT)
+    python = None if args.no_trl else ensure_trl_venv(args.trl_spec)
+    with tempfile.TemporaryDirectory(prefix="bench_rl_step_") as work:
+        model_dir, prompts_file = build_assets(args, work)
+        worker = None if python is None else TRLWorker(python, args, model_dir, prompts_file, work)
+        try:
+            stage = build_megarl(args, model_dir, prompts_file, work)
+            if worker is not None:
+                worker.wait_ready()
+            mg_runs, trl_runs = [], []
+            for step in range(args.steps + 1):  # step 0: warm-up
+                r = megarl_step(stage, step)
+                print(f"step {step}{' (warm-up)' if step == 0 else ''}: megarl {r['wall']:.2f} s "
+                      f"({', '.join(f'{k} {v:.2f}' for k, v in r['phases'].items())})", flush=True)
+                if step:
+                    mg_runs.append(r)
+                if worker is not None:
+                    t = worker.step()
+                    print(f"step {step}{' (warm-up)' if step == 0 else ''}: TRL {t['wall']:.2f} s "
+                          f"({', '.join(f'{k} {v:.2f}' for k, v in t['phases'].items())})", flush=True)
+                    if step:
+                        trl_runs.append(t)
+            report(args, summary(mg_runs), summary(trl_runs) if trl_runs else None)
+            if args.profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    stage.step(args.steps + 1)
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+        finally:
+            if worker is not None:
+                worker.close()
+
+
+if __name__ == "__main__":
+    main()

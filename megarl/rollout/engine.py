@@ -1,0 +1,389 @@
+"""Batched KV-cache generation on the actor's own megatron-core model, at any TP/PP layout.
+
+The model that trains is the model that samples: no weight copy, no second engine. One prefill
+over left-padded prompts (explicit [b, 1, sq, sk] mask), then one token per step with
+megatron-core's `StaticInferenceContext` holding the KV cache. megatron-core's own engines do
+not fit RL on CPU (NOTES.md): the dynamic one needs CUDA kernels, the legacy static one samples
+padded-vocabulary ids, ignores the temperature in its log-probs and seeds every rank alike.
+
+Layouts. TP: the output layer gathers the logits over TP (`runtime_gather_output`), so every TP
+rank holds the same full logits and draws the same token from the same counter-based uniform,
+with no extra communication. PP: each step goes through megatron's forward-only schedule
+(the rows split into pipeline micro-batches that share one cache via `batch_size_offset`), and
+only the sampled ids and their log-probs are broadcast from the last stage.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens
+
+__all__ = ["SamplingParams", "Rollout", "RolloutEngine", "MegatronRolloutEngine"]
+
+
+@dataclass
+class Rollout:
+    """N = len(prompts) * n rows; sample j of prompt i is row i * n + j."""
+    tokens: torch.Tensor         # [N, L] long: prompt then response, right-padded with pad_id
+    prompt_lens: torch.Tensor    # [N] long
+    response_lens: torch.Tensor  # [N] long
+    logprobs: torch.Tensor       # [N, R] fp32 log-prob of each response token under the sampled distribution; 0 where masked
+    response_mask: torch.Tensor  # [N, R] bool
+    stopped: torch.Tensor        # [N] bool: ended on a stop id/string (False = hit max_new_tokens)
+    stats: dict = field(default_factory=dict)  # timings and sizes of the call (not part of the result's meaning)
+
+    def responses(self) -> list[list[int]]:
+        """Response token ids per row (the stop token included)."""
+        return [self.tokens[i, p: p + r].tolist()
+                for i, (p, r) in enumerate(zip(self.prompt_lens.tolist(), self.response_lens.tolist()))]
+
+
+class RolloutEngine(abc.ABC):
+    """What the RL trainer and evaluation call; a vLLM/SGLang backend can implement it later."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, seed: int,
+                 sample_offset: int = 0) -> Rollout:
+        """Sample `params.n` responses per prompt. Row r's randomness is keyed by
+        (seed, sample_offset + r, decode step): DP ranks pass different offsets."""
+
+
+def _model_chunks(role) -> list:
+    """role.chunks (a Role), or a bare / wrapped model."""
+    chunks = list(getattr(role, "chunks", None) or [getattr(role, "model", role)])
+    if len(chunks) != 1:
+        raise ValueError(f"rollout needs one model chunk per rank; got {len(chunks)} (virtual pipeline stages)")
+    return chunks
+
+
+def _unwrap(model):
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+class MegatronRolloutEngine(RolloutEngine):
+    def __init__(self, role, *, vocab_size: int, pad_id: int, decode: Callable[[list[int]], str] | None = None,
+                 max_batch_size: int = 64, max_seq_len: int | None = None, pp_microbatches: int | None = None,
+                 fast_attention: bool = True, compact: bool = True):
+        """role: a megarl Role (or its model, possibly DDP / Float16Module wrapped) with an LM head.
+        vocab_size: the true vocabulary (padded columns are never sampled).
+        max_batch_size: rows per KV cache (micro-batch); the cache is freed after each.
+        max_seq_len: longest prompt + response; default the model's max_position_embeddings.
+        pp_microbatches: at PP > 1, pipeline micro-batches per step (default: PP size).
+        fast_attention: run megatron's local core attention through torch SDPA (see _SDPAttention).
+        compact: drop finished rows from the KV cache once half of the rows are done."""
+        self.chunks = _model_chunks(role)
+        self.model = self.chunks[0]
+        self.gpt = _unwrap(self.model)
+        if getattr(self.gpt, "megarl_head", "lm") != "lm":
+            raise ValueError(f"rollout needs an LM head, got head={self.gpt.megarl_head!r}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.vocab_size, self.pad_id, self.decode = int(vocab_size), int(pad_id), decode
+        self.max_batch_size = int(max_batch_size)
+        self.max_seq_len = int(max_seq_len or self.gpt.max_sequence_length)
+        self.config = self.gpt.config
+        self.pp_microbatches = pp_microbatches or self.config.pipeline_model_parallel_size
+        self.device = next(self.gpt.parameters()).device
+        self.fast_attention, self.compact = fast_attention, compact
+
+    # ------------------------------------------------------------------ public
+
+    @torch.no_grad()  # not inference_mode: megatron's global buffers must stay usable in training
+    def generate(self, prompts: list[list[int]], params: SamplingParams, *, seed: int,
+                 sample_offset: int = 0) -> Rollout:
+        params.validate()
+        self._check_prompts(prompts, params)
+        n = params.n
+        rows = [list(map(int, prompts[r // n])) for r in range(len(prompts) * n)]
+        N = len(rows)
+        # Shortest prompts together: less left padding. Rows are keyed by their global id, so
+        # the grouping changes no sample.
+        order = sorted(range(N), key=lambda r: len(rows[r]))
+        responses: list = [None] * N
+        logprobs: list = [None] * N
+        stopped = torch.zeros(N, dtype=torch.bool)
+        stats = {"prefill_s": 0.0, "decode_s": 0.0, "forwards": 0, "kv_cache_bytes": 0, "kv_cache_tokens": 0,
+                 "batches": 0, "compactions": 0}
+        with _inference_mode(self.chunks, self.gpt, self.fast_attention):
+            for b0 in range(0, N, self.max_batch_size):
+                batch = order[b0: b0 + self.max_batch_size]
+                out = self._generate_batch([rows[r] for r in batch],
+                                           torch.tensor([sample_offset + r for r in batch], dtype=torch.long),
+                                           params, seed, stats)
+                for k, r in enumerate(batch):
+                    responses[r], logprobs[r], stopped[r] = out[0][k], out[1][k], out[2][k]
+                stats["batches"] += 1
+        return self._assemble(rows, responses, logprobs, stopped, stats)
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_prompts(self, prompts, params):
+        if params.stop_strings and self.decode is None:
+            raise ValueError("SamplingParams.stop_strings need a decode function: MegatronRolloutEngine(..., decode=...)")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+            if len(p) + params.max_new_tokens > self.max_seq_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens: with max_new_tokens={params.max_new_tokens} "
+                                 f"it exceeds the model's max sequence length {self.max_seq_len}")
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(f"prompt {i} holds token id {lo if lo < 0 else hi} outside [0, {self.vocab_size})")
+
+    # ------------------------------------------------------------------ one KV-cache batch
+
+    def _generate_batch(self, prompts, sample_ids, params, seed, stats):
+        """Rows of one KV cache -> (responses, logprobs, stopped) per row, on every rank."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        dev = self.device
+        B, T = len(prompts), params.max_new_tokens
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        P = int(lens.max())
+        S = P + T
+        pads = P - lens  # [B] left padding per row
+        tokens = torch.full((B, P), self.pad_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        key_pad = torch.arange(S)[None, :] < pads[:, None]  # [B, S] True = padding key
+        causal = torch.ones(P, P, dtype=torch.bool).triu_(1)  # [P, P] True = future key
+        mask = causal[None, None] | key_pad[:, None, None, :P]  # [B, 1, P, P]
+        mask.diagonal(dim1=-2, dim2=-1).fill_(False)  # padding queries see themselves: no all-masked row (NaN in SDPA)
+        mask = mask.to(dev)
+        key_pad = key_pad.to(dev)
+        tokens, pads = tokens.to(dev), pads.to(dev)
+
+        stop_ids = torch.tensor(sorted(set(params.stop_ids)), dtype=torch.long)
+        out_ids = torch.full((B, T), self.pad_id, dtype=torch.long)  # [B, T]
+        out_lp = torch.zeros(B, T, dtype=torch.float32)
+        resp_len = torch.zeros(B, dtype=torch.long)
+        done = torch.zeros(B, dtype=torch.bool)
+        stopped = torch.zeros(B, dtype=torch.bool)
+
+        ctx = StaticInferenceContext(B, S)
+        ctx.materialize_only_last_token_logits = True
+        active = torch.arange(B)  # batch row of each cache row (shrinks as rows finish)
+        try:
+            step_tokens, offset = tokens, 0
+            for t in range(T):
+                t0 = time.perf_counter()
+                positions = (torch.arange(offset, offset + step_tokens.shape[1], device=dev)[None, :]
+                             - pads[:, None]).clamp_(min=0)  # [A, s] (RoPE in static inference uses the offset)
+                ids, lps = self._step(step_tokens, positions, mask, ctx, params, seed, sample_ids[active], t)  # [A]
+                offset += step_tokens.shape[1]
+                ctx.increment_sequence_len_offset(step_tokens.shape[1])
+                if t == 0:
+                    stats["kv_cache_bytes"] = max(stats["kv_cache_bytes"], _cache_bytes(ctx))
+                    stats["kv_cache_tokens"] = max(stats["kv_cache_tokens"], B * S)
+                stats["prefill_s" if t == 0 else "decode_s"] += time.perf_counter() - t0
+                stats["forwards"] += 1
+
+                live = ~done[active]  # [A]
+                rows = active[live]
+                out_ids[rows, t] = ids[live]
+                out_lp[rows, t] = lps[live]
+                resp_len[rows] += 1
+                hit = torch.isin(ids[live], stop_ids)
+                if params.stop_strings:
+                    for k in torch.nonzero(~hit).flatten().tolist():
+                        text = self.decode(out_ids[rows[k], : t + 1].tolist())
+                        if any(s_ in text for s_ in params.stop_strings):
+                            hit[k] = True
+                stopped[rows[hit]] = True
+                done[rows[hit]] = True
+                if bool(done.all()):
+                    break
+                alive = ~done[active]  # [A]
+                if self.compact and int(alive.sum()) <= len(active) // 2:
+                    keep = torch.nonzero(alive).flatten()  # finished rows leave the cache: less work per step
+                    _compact_cache(ctx, keep.to(dev))
+                    active, ids, key_pad, pads = active[keep], ids[keep], key_pad[keep.to(dev)], pads[keep.to(dev)]
+                    stats["compactions"] += 1
+                step_tokens = torch.where(done[active], self.pad_id, ids).to(dev)[:, None]  # [A, 1]
+                mask = key_pad[:, None, None, : offset + 1]  # [A, 1, 1, sk]: the new token sees all real keys
+        finally:
+            ctx.key_value_memory_dict.clear()  # free the cache now, not at the next GC
+        responses = [out_ids[b, : resp_len[b]].tolist() for b in range(B)]
+        logprobs = [out_lp[b, : resp_len[b]] for b in range(B)]
+        return responses, logprobs, stopped.tolist()
+
+    def _sample(self, logits, params, seed, sample_ids, step):
+        """Last-position logits [b, 1|s, V_pad] (full vocabulary on every TP rank) -> ids, log-probs [b]."""
+        x = logits[:, -1, : self.vocab_size]  # [b, V]: padded columns dropped, never sampled
+        filtered = filter_logits(x, params)
+        uniforms = None if params.greedy else row_uniforms(seed, sample_ids, step)
+        ids, lps = sample_tokens(filtered, params, uniforms, with_logprobs=params.logprobs)
+        return ids, (lps if lps is not None else torch.zeros(ids.shape, dtype=torch.float32, device=ids.device))
+
+    def _step(self, tokens, positions, mask, ctx, params, seed, sample_ids, step):
+        """One forward (prefill or decode) and the sampled ids [B] / log-probs [B] on every rank (CPU)."""
+        pp = self.config.pipeline_model_parallel_size
+        if pp == 1:
+            with _cpu_shim_suspended():
+                logits = self.model(tokens, positions, mask, inference_context=ctx, runtime_gather_output=True)
+                ids, lps = self._sample(logits, params, seed, sample_ids, step)
+            return ids.cpu(), lps.float().cpu()
+        return self._pipeline_step(tokens, positions, mask, ctx, params, seed, sample_ids, step)
+
+    def _pipeline_step(self, tokens, positions, mask, ctx, params, seed, sample_ids, step):
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        B, s = tokens.shape
+        m = max(d for d in range(1, min(self.pp_microbatches, B) + 1) if B % d == 0)  # equal shapes for p2p
+        mb = B // m
+
+        def forward_step(data_iterator, model):
+            k = next(data_iterator)
+            rows = slice(k * mb, (k + 1) * mb)
+            ctx.batch_size_offset = k * mb  # micro-batches share one cache
+            out = model(tokens[rows], positions[rows], mask[rows], inference_context=ctx, runtime_gather_output=True)
+            return out, lambda o, non_loss_data=True: self._sample(o, params, seed, sample_ids[rows], step)
+
+        try:
+            results = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(range(m)), model=self.chunks,
+                num_microbatches=m, seq_length=s, micro_batch_size=mb, forward_only=True,
+                collect_non_loss_data=True)
+        finally:
+            ctx.batch_size_offset = 0
+        if ps.is_pipeline_last_stage():
+            ids = torch.cat([r[0] for r in results])
+            lps = torch.cat([r[1] for r in results]).float()
+            packed = torch.stack([ids.double(), lps.double()]).to(self.device)  # [2, B]; ids exact in fp64
+        else:
+            packed = torch.empty(2, B, dtype=torch.float64, device=self.device)
+        dist.broadcast(packed, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+        packed = packed.cpu()
+        return packed[0].long(), packed[1].float()
+
+    # ------------------------------------------------------------------ result
+
+    def _assemble(self, rows, responses, logprobs, stopped, stats) -> Rollout:
+        N = len(rows)
+        prompt_lens = torch.tensor([len(p) for p in rows], dtype=torch.long)
+        response_lens = torch.tensor([len(r) for r in responses], dtype=torch.long)
+        L = int((prompt_lens + response_lens).max()) if N else 0
+        R = int(response_lens.max()) if N else 0
+        tokens = torch.full((N, L), self.pad_id, dtype=torch.long)
+        lp = torch.zeros(N, R, dtype=torch.float32)
+        for i, (p, r) in enumerate(zip(rows, responses)):
+            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+            tokens[i, len(p): len(p) + len(r)] = torch.tensor(r, dtype=torch.long)
+            lp[i, : len(r)] = logprobs[i]
+        mask = torch.arange(R)[None, :] < response_lens[:, None]
+        return Rollout(tokens, prompt_lens, response_lens, lp, mask, stopped, stats)
+
+
+def _cpu_shim_suspended():
+    """Without the pipeline schedule nothing in a forward asks for a "cuda" device, so the
+    CPU shim's TorchFunctionMode (megarl.runtime.cpu_compat), which wraps every torch call, is
+    switched off for the step: ~10% of a decode step on CPU. A no-op where the shim is off (GPU)."""
+    from megarl.runtime import cpu_compat
+
+    return torch._C.DisableTorchFunction() if cpu_compat.is_enabled() else contextlib.nullcontext()
+
+
+def _compact_cache(ctx, keep):
+    """Keep only cache rows `keep` [A'] (every layer of this stage; every rank drops the same rows)."""
+    for layer, (k, v) in list(ctx.key_value_memory_dict.items()):
+        ctx.key_value_memory_dict[layer] = (k[:, keep], v[:, keep])  # [S, A', g, d] copies; old ones freed
+    ctx.max_batch_size = len(keep)
+
+
+def _cache_bytes(ctx) -> int:
+    return sum(t.numel() * t.element_size() for kv in ctx.key_value_memory_dict.values() for t in kv)
+
+
+class _SDPAttention(torch.nn.Module):
+    """Generation-time stand-in for megatron-core's core attention: the same maths (scale,
+    boolean mask with True = masked) through torch's fused SDPA, which reads grouped KV heads in
+    place. megatron's local `DotProductAttention` repeats the whole KV cache per query head and
+    runs batched 1 x head_dim matmuls every decode step (18.6 ms against 2.5 ms per layer at
+    batch 64, 192 cached tokens, 8 heads / 4 KV heads, 1 CPU thread). For Transformer Engine's
+    attention it also keeps the left-padding mask, which TE would drop in decode steps
+    (`no_mask`; NOTES.md; unverified without a GPU). Swapped in only for a call, and only where
+    it is exact (no sliding window, no softmax offset)."""
+
+    def __init__(self, inner, scale: float):
+        super().__init__()
+        self.inner = inner  # restored after the call
+        self.scale = scale
+
+    @staticmethod
+    def scale_for(module, config):
+        """The softmax scale when `module` is a core attention this class reproduces, else None."""
+        name = type(module).__name__
+        if name == "DotProductAttention":  # megatron's local spec
+            if getattr(module, "softmax_offset", None) is None and module.scale_mask_softmax.window_size is None:
+                return module.softmax_scale * (module.scale_mask_softmax.scale or 1.0)
+        elif name == "TEDotProductAttention":
+            if (config.window_size is None and config.softmax_type == "vanilla"
+                    and not config.apply_query_key_layer_scaling):
+                return config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        return None
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        # query [sq, b, np, hn]; key, value [sk, b, ng, hn]; mask [b, 1, sq, sk] True = masked
+        if attention_bias is not None or packed_seq_params is not None:
+            return self.inner(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                              attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        sq, b, heads, hn = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+        if attention_mask is None:  # megatron's default: causal when sq > 1
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=sq > 1, scale=self.scale, enable_gqa=heads != k.shape[1])
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=~attention_mask, scale=self.scale, enable_gqa=heads != k.shape[1])
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)  # [sq, b, np * hn]
+
+
+class _inference_mode:
+    """eval() for the call (no dropout), sequence parallelism off (a 1-token decode step cannot
+    be split over TP), the local core attention swapped for _SDPAttention (fast_attention), and
+    all of it restored after: every module's train/eval flag, the SP setting, the modules."""
+
+    def __init__(self, chunks, gpt, fast_attention=True):
+        self.chunks, self.gpt, self.fast_attention = chunks, gpt, fast_attention
+
+    def __enter__(self):
+        self.modes = [(m, m.training) for c in self.chunks for m in c.modules()]
+        self.sp = bool(self.gpt.config.sequence_parallel)
+        for c in self.chunks:
+            c.eval()
+        if self.sp:
+            from megatron.core.transformer.utils import set_model_to_sequence_parallel
+            set_model_to_sequence_parallel(self.gpt, False)
+        self.swapped = []
+        if self.fast_attention:
+            for m in self.gpt.modules():
+                inner = getattr(m, "core_attention", None)
+                scale = None if inner is None else _SDPAttention.scale_for(inner, self.gpt.config)
+                if scale is not None:
+                    m.core_attention = _SDPAttention(inner, scale)
+                    self.swapped.append(m)
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.swapped:
+            m.core_attention = m.core_attention.inner
+        if self.sp:
+            from megatron.core.transformer.utils import set_model_to_sequence_parallel
+            set_model_to_sequence_parallel(self.gpt, True)
+        for m, mode in self.modes:
+            m.training = mode
+        return False

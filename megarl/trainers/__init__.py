@@ -1,0 +1,1 @@
+"""Trainers: the step loop every stage shares, the session, and the SFT / reward-model stages."""

@@ -1,0 +1,102 @@
+"""Sampled evaluation on held-out prompts: pass@1, pass@k (unbiased, Chen et al. 2021), mean@k.
+
+    megarl eval --config X [--checkpoint P | --hf DIR] [key=value ...]
+
+Used by the RL stage every `train.eval_interval` steps and by `megarl eval` on any checkpoint
+(the SFT model, an RL actor, a Hugging Face model). Prompts are split over DP ranks in
+contiguous blocks and each sample's randomness is keyed by its global index, so the figures
+do not depend on the layout.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from megarl.config import Config, ConfigError
+from megarl.runtime.distributed import is_rank0
+
+log = logging.getLogger("megarl")
+
+STAGE = "eval"
+SAMPLE_ROWS = 8  # prompts shown in the sample table
+
+
+def pass_at_k_eval(engine, dataset, tok, *, n_prompts: int, k: int, params, seed: int, reward_fn) -> tuple[dict, list]:
+    """(metrics, sample rows) over the first `n_prompts` prompts of `dataset`, k samples each.
+
+    A sample is correct when its reward is > 0 (use a 0/1 reward such as final_answer)."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.rewards import pass_at_k, score_batch
+    from megarl.trainers.rl import dp_means
+
+    n = min(n_prompts, len(dataset))
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    lo, hi = rank * n // dp, (rank + 1) * n // dp
+    items = [dataset[i] for i in range(lo, hi)]
+    pairs = {"pass@1": (0.0, 0), f"pass@{k}": (0.0, 0), f"mean@{k}": (0.0, 0), "response_len": (0.0, 0)}
+    rows = []
+    if items:
+        rollout = engine.generate([it["prompt_ids"] for it in items], params, seed=seed, sample_offset=lo * k)
+        texts = [tok.decode(r, skip_special_tokens=True) for r in rollout.responses()]
+        prompts = [it["messages"][-1]["content"] for it in items for _ in range(k)]
+        answers = [it["answer"] for it in items for _ in range(k)]
+        scores = score_batch(reward_fn, prompts, texts, answers, max_fail_fraction=1.0).scores
+        p1 = pk = mk = 0.0
+        for i in range(len(items)):
+            s = scores[i * k:(i + 1) * k]
+            c = sum(x > 0 for x in s)
+            p1 += pass_at_k(k, c, 1)
+            pk += pass_at_k(k, c, k)
+            mk += sum(s) / k
+        m = len(items)
+        lens = rollout.response_lens.double()
+        pairs = {"pass@1": (p1, m), f"pass@{k}": (pk, m), f"mean@{k}": (mk, m), "response_len": (lens.sum().item(), len(lens))}
+        rows = [{"prompt": prompts[i * k], "completion": texts[i * k], "answer": answers[i * k],
+                 "reward": scores[i * k]} for i in range(min(m, SAMPLE_ROWS))]
+    return dp_means(pairs), rows if rank == 0 else []
+
+
+def run_eval(cfg: Config, checkpoint: str | None = None, hf: str | None = None) -> dict:
+    """`megarl eval`: sample the held-out prompts with a checkpoint's (or HF model's) LM; writes
+    <run_dir>/eval/results.json and an MLflow run with the sample table."""
+    from megarl.rewards import load_reward_fn
+    from megarl.roles.role import Role
+    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+    from megarl.trainers import data_setup
+    from megarl.trainers.rl import load_role_weights
+    from megarl.trainers.session import stage_session
+    from megarl.utils.atomic import write_atomic
+
+    r = cfg.rl
+    source = hf or checkpoint or "sft"
+    if hf and checkpoint:
+        raise ConfigError("megarl eval: give --checkpoint or --hf, not both")
+    with stage_session(cfg, STAGE) as s:
+        tok = data_setup.tokenizer(cfg)
+        paths = data_setup.stage_paths(cfg, "rl")
+        if not paths["eval"]:
+            raise ConfigError("megarl eval: no held-out prompts (set rl.eval_prompts_path)")
+        ds = data_setup.prompt_dataset(cfg, paths["eval"])
+        role = Role("actor", cfg.model, cfg.parallel, head="lm", precision=cfg.train.precision, seed=cfg.train.seed)
+        src = load_role_weights(cfg, role, source, "--hf" if hf else "--checkpoint")
+        engine = MegatronRolloutEngine(role, vocab_size=cfg.model.vocab_size, pad_id=tok.pad_id, decode=tok.decode,
+                                       max_batch_size=r.rollout_batch_size)
+        params = SamplingParams(n=r.eval_samples, temperature=r.eval_temperature, top_k=r.top_k, top_p=r.top_p,
+                                max_new_tokens=r.max_new_tokens, stop_ids=tuple(tok.stop_ids))
+        from megarl.trainers.rl import _mix
+
+        metrics, rows = pass_at_k_eval(engine, ds, tok, n_prompts=r.eval_prompts, k=r.eval_samples, params=params,
+                                       seed=_mix(cfg.train.seed, 99991), reward_fn=load_reward_fn(r.reward_fn or "final_answer"))
+        metrics = {f"eval/{k}": v for k, v in metrics.items()}
+        s.tracker.log_metrics(metrics, step=0)
+        if rows:
+            s.tracker.log_table(rows, name="eval_samples", step=0)
+        if is_rank0():
+            out = {"source": src, "prompts_file": paths["eval"], "n_prompts": min(r.eval_prompts, len(ds)),
+                   "k": r.eval_samples, "temperature": r.eval_temperature, **metrics, "samples": rows}
+            write_atomic(os.path.join(s.stage_dir, "results.json"), json.dumps(out, indent=1))
+            log.info("eval of %s: %s (%s)", src, " | ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in metrics.items()),
+                     os.path.join(s.stage_dir, "results.json"))
+        return metrics

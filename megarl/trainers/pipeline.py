@@ -1,0 +1,240 @@
+"""SFT -> reward model -> RL in one run directory, from one config file.
+
+    megarl pipeline --config configs/tiny_pipeline.yaml [--stages rm,rl] [key=value ...]
+
+The config's shared sections (model, tokenizer, parallel, tracking, train.run_dir, ...) apply
+to every stage; `stages.<sft|rm|rl>` holds each stage's own values (steps, lr, batch sizes,
+data), merged over the shared ones field by field. Overrides: `train.run_dir=X` (shared) or
+`stages.rl.optim.lr=1e-6` (one stage). A stage whose final checkpoint exists is skipped; an
+interrupted one resumes. Every stage's console output also goes to <run_dir>/logs/<stage>.log,
+and the resolved per-stage configs to <run_dir>/logs/pipeline.yaml.
+
+Python, in a notebook or a script (one process, or every rank under torchrun):
+
+    >>> import megarl
+    >>> pipe = megarl.Pipeline("configs/tiny_pipeline.yaml", ["train.run_dir=runs/notebook"])
+    >>> results = pipe.run()                     # or pipe.sft(); pipe.reward_model(); pipe.rl()
+    >>> sorted(results)
+    ['rl', 'rm', 'sft']
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+
+import yaml
+
+from megarl.config import Config, ConfigError
+from megarl.config.loader import apply_override, build, deep_merge, inherit_role_sections, read_yaml
+from megarl.config.shipped import resolve_config_path
+
+log = logging.getLogger("megarl")
+
+STAGES = ("sft", "rm", "rl")
+STAGE_DIRS = {"sft": "sft", "rm": "reward_model", "rl": "rl"}
+
+
+def load_pipeline_config(path: str | None, overrides=()) -> dict[str, Config]:
+    """{stage: resolved Config} for sft, rm and rl."""
+    data = read_yaml(resolve_config_path(path)) if path else {}
+    per_stage = data.pop("stages", None) or {}
+    where = path or "config"
+    if not isinstance(per_stage, dict) or set(per_stage) - set(STAGES):
+        bad = sorted(set(per_stage) - set(STAGES)) if isinstance(per_stage, dict) else per_stage
+        raise ConfigError(f"{where}: 'stages' holds {', '.join(STAGES)} (one mapping each); got {bad}")
+    per_stage = {k: dict(v or {}) for k, v in per_stage.items()}
+    for o in overrides:
+        key = o.partition("=")[0].strip()
+        if key.startswith("stages."):
+            stage, _, rest = key[len("stages."):].partition(".")
+            if stage not in STAGES or not rest:
+                raise ConfigError(f"override '{o}': expected stages.<{'|'.join(STAGES)}>.section.key=value")
+            per_stage[stage] = apply_override(per_stage.setdefault(stage, {}), o[len(f"stages.{stage}."):])
+        else:
+            data = apply_override(data, o)
+    configs = {}
+    for stage in STAGES:
+        merged = inherit_role_sections(deep_merge(data, per_stage.get(stage, {})))
+        configs[stage] = build(Config, merged, f"{where} (stage {stage})")
+    _check_shared(configs)
+    return configs
+
+
+def _check_shared(configs: dict) -> None:
+    """What must be the same in every stage: the tokenizer, its vocabulary and the run dir."""
+    ref = configs["sft"]
+    for stage, cfg in configs.items():
+        for what, get in (("tokenizer", lambda c: c.tokenizer), ("model.vocab_size", lambda c: c.model.vocab_size),
+                          ("train.run_dir", lambda c: os.path.abspath(c.train.run_dir))):
+            if get(cfg) != get(ref):
+                raise ConfigError(f"stages.{stage}: {what} ({get(cfg)}) differs from stage sft's ({get(ref)}); "
+                                  "every stage must share it (set it in the shared sections)")
+
+
+class _Tee:
+    """Console output to the terminal and a stage's log file (rank 0)."""
+
+    def __init__(self, stream, path):
+        self.stream, self.file = stream, open(path, "a", buffering=1)
+
+    def write(self, text):
+        self.stream.write(text)
+        if not self.file.closed:  # a logging handler may outlive the stage
+            self.file.write(text)
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+        if not self.file.closed:
+            self.file.flush()
+
+    def isatty(self):
+        return self.stream.isatty()
+
+
+class Pipeline:
+    """SFT -> reward model -> RL on one run directory (see the module docstring for an example).
+
+    config: a pipeline YAML path, or {stage: Config} from `load_pipeline_config`. Each method
+    runs one stage as `megarl <stage>` would and returns its final metrics; a stage that has
+    already finished is skipped (its final metrics are read back from its metrics.jsonl).
+    """
+
+    def __init__(self, config, overrides=()):
+        self.configs = config if isinstance(config, dict) else load_pipeline_config(config, list(overrides))
+        self.run_dir = os.path.abspath(self.configs["sft"].train.run_dir)
+
+    def sft(self) -> dict:
+        return self._stage("sft")
+
+    def reward_model(self) -> dict:
+        return self._stage("rm")
+
+    def rl(self) -> dict:
+        return self._stage("rl")
+
+    def run(self, stages=STAGES) -> dict:
+        """The given stages in pipeline order; {stage: final metrics}."""
+        unknown = sorted(set(stages) - set(STAGES))
+        if unknown:
+            raise ConfigError(f"--stages: unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}")
+        self._write_resolved()
+        return {s: self._stage(s) for s in STAGES if s in stages}
+
+    # ----------------------------------------------------------------------------------------
+
+    def _write_resolved(self) -> None:
+        from megarl.config import config_to_dict
+        from megarl.runtime.distributed import is_rank0
+        from megarl.utils.atomic import write_atomic
+
+        if is_rank0():
+            os.makedirs(os.path.join(self.run_dir, "logs"), exist_ok=True)
+            text = yaml.safe_dump({s: config_to_dict(c) for s, c in self.configs.items()}, sort_keys=False)
+            write_atomic(os.path.join(self.run_dir, "logs", "pipeline.yaml"), text)
+
+    def _done(self, stage: str) -> dict | None:
+        """The final metrics of a finished stage, else None."""
+        import json
+
+        from megarl.checkpoint.distributed import latest_checkpoint
+
+        cfg, stage_dir = self.configs[stage], os.path.join(self.run_dir, STAGE_DIRS[stage])
+        latest = latest_checkpoint(os.path.join(stage_dir, "checkpoints"))
+        if latest is None or int(os.path.basename(latest).split("_")[1]) < cfg.train.steps:
+            return None
+        final: dict = {}
+        path = os.path.join(stage_dir, "metrics.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    final.update({k: v for k, v in json.loads(line).items() if k != "step"})
+        return final
+
+    def _stage(self, stage: str) -> dict:
+        from megarl.runtime.distributed import is_rank0, teardown
+        from megarl.trainers import reward_model, rl, sft
+        from megarl.trainers.loop import train_stage
+
+        done = self._done(stage)
+        if done is not None:
+            if is_rank0():
+                print(f"[megarl pipeline] {stage}: already complete ({self.configs[stage].train.steps} steps); "
+                      f"skipping. Results: {os.path.join(self.run_dir, STAGE_DIRS[stage])}", flush=True)
+            return done
+        module = {"sft": sft, "rm": reward_model, "rl": rl}[stage]
+        cfg = self.configs[stage]
+        from megarl.config import validate_config
+        from megarl.runtime.distributed import world_size_from_env
+
+        validate_config(cfg, world_size_from_env(), stage="rl" if stage == "rl" else None)
+        logs = os.path.join(self.run_dir, "logs")
+        tee = contextlib.nullcontext()
+        if is_rank0():
+            os.makedirs(logs, exist_ok=True)
+            tee = _redirect(os.path.join(logs, f"{stage}.log"))
+        try:
+            with tee:
+                return train_stage(cfg, module.STAGE, module.build_stage, keep_process_group=True)
+        except BaseException:
+            teardown()
+            raise
+
+
+@contextlib.contextmanager
+def _redirect(path: str):
+    """stdout and stderr also into `path` (the stage's session binds its log handler to them)."""
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Tee(out, path), _Tee(err, path)
+    try:
+        yield
+    finally:
+        for tee in (sys.stdout, sys.stderr):
+            tee.file.close()
+        sys.stdout, sys.stderr = out, err
+
+
+def summary(run_dir: str) -> str:
+    """The pipeline's held-out figures as a markdown table: the RL stage's first evaluation
+    (the SFT model it starts from) and last one, and the reward model's last pair accuracy."""
+    import json
+
+    def evals(stage):
+        path = os.path.join(run_dir, stage, "metrics.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return [r for r in map(json.loads, f) if any(k.startswith("eval/") for k in r)]
+
+    rows = []
+    rl = evals("rl")
+    if rl:
+        ks = sorted(k for k in rl[0] if k.startswith("eval/pass@") or k.startswith("eval/mean@"))
+        for label, rec in (("after SFT (RL step 0)", rl[0]), (f"after RL (step {rl[-1]['step']})", rl[-1])):
+            if rec is rl[0] and rec["step"] != 0:
+                continue
+            rows.append((label, ", ".join(f"{k[5:]} {rec[k]:.3f}" for k in ks if k in rec)))
+    rm = evals("reward_model")
+    if rm and "eval/accuracy" in rm[-1]:
+        rows.append((f"reward model (step {rm[-1]['step']})", f"held-out pair accuracy {rm[-1]['eval/accuracy']:.3f}"))
+    sft = evals("sft")
+    if sft and "eval/sample_accuracy" in sft[-1]:
+        rows.append((f"SFT greedy samples (step {sft[-1]['step']})", f"accuracy {sft[-1]['eval/sample_accuracy']:.3f}"))
+    lines = ["| model | held-out figures |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+    return "\n".join(lines)
+
+
+def run_pipeline(path: str, overrides=(), stages=STAGES) -> dict:
+    """`megarl pipeline`: the stages in order, then the figures; the process group is torn down."""
+    from megarl.runtime.distributed import is_rank0, teardown
+
+    try:
+        pipe = Pipeline(path, overrides)
+        results = pipe.run(stages)
+        if is_rank0():
+            print(f"\nmegarl pipeline: {pipe.run_dir}\n{summary(pipe.run_dir)}", flush=True)
+        return results
+    finally:
+        teardown()

@@ -1,0 +1,222 @@
+"""Failure paths a user can hit (issue 13): no data loss, one clear line, rc 2, early checks."""
+import os
+
+import pytest
+
+from dist_helpers import run_distributed
+from megarl_run import TINY, megarl
+
+
+# --------------------------------------------------------------------------- data loss
+
+
+def _tiny_role(seed, hidden=32):
+    from megarl.config import LRScheduleConfig, ModelConfig, OptimConfig, ParallelConfig
+    from megarl.roles.role import Role
+
+    model = ModelConfig(num_layers=2, hidden_size=hidden, ffn_hidden_size=64, num_attention_heads=4,
+                        vocab_size=64, max_position_embeddings=32)
+    return Role("policy", model, ParallelConfig(), head="lm", optim=OptimConfig(lr=1e-3),
+                schedule=LRScheduleConfig(warmup_steps=0), train_steps=20, seed=seed)
+
+
+def _three_writers(rank, world, root):
+    """A run saving steps 5 and 12 (keep_last=2); another writer (a conversion, a fresh run) saving
+    step 0 into the same root with keep_last=1; the first run resumed from step 12 saving 13 and 14.
+    Clearing the run-id registry stands for a new process."""
+    import megarl.checkpoint.distributed as ck
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    init_distributed(1, 1, seed=1)
+    role, listings = _tiny_role(1), []
+    for step in (5, 12):
+        ck.save_checkpoint(root, step, {"policy": role}, {"n": step}, keep_last=2)
+    listings.append(sorted(os.listdir(root)))
+    ck._RUN_IDS.clear()
+    ck.save_checkpoint(root, 0, {"policy": _tiny_role(2)}, {"n": 0}, keep_last=1)
+    listings.append(sorted(os.listdir(root)))
+    ck._RUN_IDS.clear()
+    resumed = _tiny_role(3)
+    ck.load_checkpoint(os.path.join(root, "step_00000012"), {"policy": resumed}, load_optimizer=False)
+    for step in (13, 14):
+        ck.save_checkpoint(root, step, {"policy": resumed}, {"n": step}, keep_last=2)
+    listings.append(sorted(os.listdir(root)))
+    teardown()
+    return listings
+
+
+def test_cleanup_never_deletes_another_runs_checkpoints(tmp_path):
+    root = str(tmp_path / "ckpt")
+    first, other, resumed = run_distributed(_three_writers, 1, root)[0]
+    assert first == ["latest", "step_00000005", "step_00000012"]
+    # before the fix, keep_last=1 deleted step_5 and step_12 (with an older step than theirs, the new one too)
+    assert other == ["latest", "step_00000000", "step_00000005", "step_00000012"]
+    assert resumed == ["latest", "step_00000000", "step_00000013", "step_00000014"]
+    assert open(os.path.join(root, "latest")).read().strip() == "step_00000014"
+
+
+def test_stale_checkpoints_spares_latest_and_newer(tmp_path):
+    import json
+
+    from megarl.checkpoint.distributed import LATEST, MANIFEST, stale_checkpoints
+
+    root = tmp_path / "ckpt"
+    for step, run in ((1, "a"), (2, "a"), (3, "b"), (4, "a"), (9, "a")):
+        d = root / f"step_{step:08d}"
+        d.mkdir(parents=True)
+        (d / MANIFEST).write_text(json.dumps({"step": step, "run": run, "files": {}}))
+    (root / LATEST).write_text("step_00000002\n")
+    # run a saved step 4: step 9 is newer (never deleted), step 3 is b's, step 2 is what latest names
+    assert stale_checkpoints(str(root), "a", 4, 1) == ["step_00000001"]
+    assert stale_checkpoints(str(root), "b", 3, 1) == []
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=261, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False)
+    d = tmp_path_factory.mktemp("hf")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
+    return d
+
+
+def test_hf_to_megarl_refuses_a_non_empty_destination(tmp_path, hf_llama):
+    run = tmp_path / "ckpt"
+    (run / "step_00000012").mkdir(parents=True)
+    (run / "step_00000012" / "weights").write_text("a run's checkpoint")
+    (run / "latest").write_text("step_00000012\n")
+    out = megarl(["convert", "hf-to-megarl", "--hf", str(hf_llama), "--out", str(run)], check=False)
+    assert out.returncode == 2, out.stderr
+    assert "exists and is not empty" in out.stderr and "--overwrite" in out.stderr
+    assert sorted(os.listdir(run)) == ["latest", "step_00000012"]  # untouched
+    assert (run / "latest").read_text() == "step_00000012\n"
+
+
+def test_convert_round_trip_reads_the_config_it_wrote_and_names_shape_mismatch(tmp_path, hf_llama):
+    ck = tmp_path / "ck"
+    megarl(["convert", "hf-to-megarl", "--hf", str(hf_llama), "--out", str(ck)])
+    assert (ck / "config.yaml").is_file()
+    # megarl-to-hf finds the config hf-to-megarl wrote (it asked for a config.yaml that was named model.yaml)
+    megarl(["convert", "megarl-to-hf", "--checkpoint", str(ck), "--out", str(tmp_path / "hf"), "--arch", "llama"])
+    # a config that does not match: one line naming the keys, not megatron's shape-mismatch traceback
+    out = megarl(["convert", "megarl-to-hf", "--checkpoint", str(ck), "--out", str(tmp_path / "hf2"), "--arch", "llama",
+                  "model.hidden_size=32"], check=False)
+    # overrides after --config-less megarl-to-hf apply to the found config
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "model.hidden_size=64 (config: 32)" in line and "does not match" in line
+    # a non-empty HF destination: refused with the flag that exists
+    out = megarl(["convert", "megarl-to-hf", "--checkpoint", str(ck), "--out", str(tmp_path / "hf"), "--arch", "llama"],
+                 check=False)
+    assert out.returncode == 2 and "--overwrite" in out.stderr and "overwrite=True" not in out.stderr
+
+
+# --------------------------------------------------------------------------- one line, rc 2
+
+
+def _fails(args, expect, capsys):
+    """In-process `megarl ...` (the same main() the console script runs): rc 2, one line, no traceback."""
+    from megarl.cli.main import main
+
+    capsys.readouterr()
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 2, (rc, err)
+    assert expect in err, err
+    assert err.startswith("megarl: error:") and "Traceback" not in err
+    return err
+
+
+def test_config_values_that_passed(tmp_path, capsys):
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("optim:\n  lr: 1.0e-4\n  lr: 2.0e-4\n")
+    _fails(["validate", "--config", str(dup)], f"{dup}:3: invalid YAML: key 'lr' is given twice", capsys)
+    for value in (".inf", ".nan", "-.inf"):
+        _fails(["validate", "--config", "tiny_sft.yaml", f"optim.lr={value}"], "'optim.lr' must be a finite number", capsys)
+    inf = tmp_path / "inf.yaml"
+    inf.write_text("optim:\n  lr: .inf\n")
+    _fails(["validate", "--config", str(inf)], f"{inf}: 'optim.lr' must be a finite number", capsys)
+    _fails(["validate", "--config", "tiny_sft.yaml", "model.num_kv_heads=0"], "model.num_kv_heads must be >= 1", capsys)
+    for size in ("-4", "0"):
+        _fails(["validate", "--config", "tiny_sft.yaml", "--world-size", size], f"world size must be >= 1, got {size}", capsys)
+    from megarl.cli.main import main
+
+    assert main(["validate", "--config", "tiny_sft.yaml", "--world-size", "1"]) == 0
+    assert "valid for world size 1 (--world-size)" in capsys.readouterr().out
+    _fails(["synthetic", "--out", str(tmp_path / "syn"), "--n-train", "-5"], "n_train >= 1", capsys)
+    assert not (tmp_path / "syn").exists()
+
+
+def test_messages_that_misled(tmp_path, capsys):
+    _fails(["report", str(tmp_path / "nonexistent")], f"{tmp_path / 'nonexistent'}: no such run directory", capsys)
+    _fails(["convert", "megarl-to-hf", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "o"),
+            "--arch", "llama"], "no such checkpoint", capsys)
+    _fails(["validate", "--config", "tiny_sft.yaml", "optim.lr=abc"], "override 'optim.lr=abc': 'optim.lr' expects a float", capsys)
+    _fails(["validate", "--config", str(tmp_path)], f"{tmp_path}: is a directory, not a config file", capsys)
+
+
+# --------------------------------------------------------------------------- tracking tells the truth
+
+
+def test_resume_after_kill_logs_one_point_per_step(tmp_path):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from megarl.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    fast = dict(system_metrics_interval=None, retry_backoff=(0.05, 0.2), flush_timeout=30)
+    killed = Tracker.start(tmp_path / "run", uri=uri, **fast)
+    for step in range(1, 14):  # checkpoint at 12, killed (-9) after logging 13
+        killed.log_metrics({"train/loss": 1.0 / step, "perf/step_time_s": 0.5}, step=step)
+    assert killed.close(status=None)  # a kill -9 sets no status
+    resumed = Tracker.start(tmp_path / "run", uri=uri, **fast)
+    for step in range(13, 16):  # the resumed process repeats step 13
+        resumed.log_metrics({"train/loss": 1.0 / step, "perf/step_time_s": 0.7}, step=step)
+    assert resumed.close()
+    client = MlflowClient(uri)
+    for key in ("train/loss", "perf/step_time_s"):
+        steps = sorted(m.step for m in client.get_metric_history(resumed.run_id, key))
+        assert steps == list(range(1, 16)), (key, steps)  # before the fix: 16 points, 13 twice
+
+
+def _failing_stage(rank, world, run_dir, error):
+    from megarl.config import load_config
+    from megarl.trainers.loop import Preempted
+    from megarl.trainers.session import stage_session
+
+    cfg = load_config(None, [f"train.run_dir={run_dir}", "tracking.backend=mlflow"])
+    try:
+        with stage_session(cfg, "sft"):
+            raise Preempted("pre-empted") if error == "preempted" else RuntimeError("boom")
+    except (Preempted, RuntimeError):
+        pass
+    return True
+
+
+@pytest.mark.parametrize("error,status", [("failed", "FAILED"), ("preempted", "KILLED")])
+def test_stage_that_ends_in_an_error_is_marked(tmp_path, error, status):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from megarl.tracking import write_report
+    from megarl.tracking.state import RunState
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}").search_experiments()  # the store's tables, made ahead
+    run_distributed(_failing_stage, 1, str(run_dir), error)
+    parent, stage = RunState(run_dir).load(), RunState(run_dir / "sft").load()
+    client = MlflowClient(parent["tracking_uri"])
+    assert client.get_run(parent["run_id"]).info.status == status  # before the fix: FINISHED
+    child = client.get_run(stage["run_id"])
+    assert child.info.status == status
+    assert (child.data.tags.get("megarl.preempted") == "true") == (error == "preempted")
+    report = write_report(run_dir).read_text()
+    assert report.count(f"- status: {status}") == 2

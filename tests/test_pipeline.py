@@ -1,0 +1,125 @@
+"""`megarl pipeline` and the Python API: SFT -> RM -> RL in one run dir; finished stages are
+skipped, an interrupted RL stage resumes bit-exactly; per-stage config sections and checks."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from megarl_run import command, env, final_weights, metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
+        "model.num_kv_heads=2", "tracking.backend=none", "data.micro_batch_size=4", "data.global_batch_size=8",
+        "data.synthetic.n_train=200", "data.synthetic.n_test=40", "train.log_interval=1",
+        "stages.sft.train.steps=3", "stages.sft.train.eval_interval=0", "stages.sft.lr_schedule.warmup_steps=1",
+        "stages.rm.train.steps=2", "stages.rm.train.eval_interval=0", "stages.rm.lr_schedule.warmup_steps=1",
+        "stages.rl.train.steps=3", "stages.rl.train.eval_interval=3", "stages.rl.checkpoint.save_interval=1",
+        "stages.rl.rl.prompts_per_step=4", "stages.rl.rl.samples_per_prompt=2", "stages.rl.rl.max_new_tokens=6",
+        "stages.rl.rl.micro_batch_size=8", "stages.rl.rl.mini_batches=1", "stages.rl.rl.eval_prompts=4",
+        "stages.rl.rl.eval_samples=2", "stages.rl.rl.algorithm=ppo", "stages.rl.rl.kl_coef=0.05",
+        "stages.rl.rl.reward_model_coef=1.0", "stages.rl.optim.lr=1e-4"]
+
+
+def pipeline_args(run, *extra):
+    return ["pipeline", "--config", "configs/tiny_pipeline.yaml", f"train.run_dir={run}", *TINY, *extra]
+
+
+def _deterministic(records):
+    return [{k: v for k, v in r.items() if not k.startswith("memory/")} for r in records]
+
+
+@pytest.mark.slow
+def test_pipeline_runs_three_stages_skips_finished_ones_and_resumes_rl_bit_exactly(tmp_path):
+    full = tmp_path / "full"
+    out = subprocess.run(command(pipeline_args(full)), capture_output=True, text=True, env=env(), cwd=ROOT,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for d in ("sft", "reward_model", "rl", "logs"):
+        assert (full / d).is_dir(), d
+    for log in ("sft.log", "rm.log", "rl.log", "pipeline.yaml"):
+        assert (full / "logs" / log).stat().st_size > 0, log
+    assert "rl step 3/3" in (full / "logs" / "rl.log").read_text()
+    rl_metrics = metrics(full / "rl")
+    steps = [m for m in rl_metrics if "actor/loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3] and "critic/loss" in steps[0]
+    # evaluated before the first step (the SFT model RL starts from) and after the last
+    assert [m["step"] for m in rl_metrics if "eval/pass@1" in m] == [0, 3]
+
+    # Kill the RL stage after its step-2 checkpoint; the rerun skips SFT and RM and resumes RL.
+    run = tmp_path / "run"
+    proc = subprocess.Popen(command(pipeline_args(run)), env=env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 600
+    while not ((run / "rl" / "metrics.jsonl").exists() and any(m["step"] >= 3 for m in metrics(run / "rl"))):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "rl step 3 not reached"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    out = subprocess.run(command(pipeline_args(run)), capture_output=True, text=True, env=env(), cwd=ROOT,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "sft: already complete" in out.stdout and "rm: already complete" in out.stdout
+    assert "resumed rl from" in out.stdout
+    assert _deterministic(metrics(run / "rl")) == _deterministic(rl_metrics)
+    a, b = final_weights(run / "rl"), final_weights(full / "rl")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # Everything done: a third run only says so.
+    out = subprocess.run(command(pipeline_args(run, "--stages", "rm,rl")), capture_output=True, text=True,
+                         env=env(), cwd=ROOT, timeout=600)
+    assert out.returncode == 0 and "rl: already complete" in out.stdout and "sft:" not in out.stdout
+
+
+@pytest.mark.slow
+def test_python_api_docstring_example_runs(tmp_path):
+    """The example in megarl/trainers/pipeline.py's docstring, run statement by statement as
+    written (with the tiny settings appended to the overrides it passes): each shown value must
+    come out. The stages' progress output is not part of the example."""
+    script = textwrap.dedent(f"""
+        import doctest, megarl
+        import megarl.trainers.pipeline as mod
+        class Tiny(mod.Pipeline):
+            def __init__(self, config, overrides=()):
+                super().__init__(config, [*overrides, *{TINY!r}])
+        megarl.Pipeline = Tiny
+        examples = doctest.DocTestParser().get_examples(mod.__doc__)
+        assert len(examples) >= 3, examples
+        scope = {{}}
+        for ex in examples:
+            if ex.want:
+                got = repr(eval(ex.source, scope))
+                assert got == ex.want.strip(), (ex.source, got, ex.want)
+            else:
+                exec(ex.source, scope)
+        print("EXAMPLES OK", len(examples))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env(), cwd=tmp_path,
+                         timeout=900)
+    assert out.returncode == 0 and "EXAMPLES OK" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+    assert (tmp_path / "runs" / "notebook" / "rl" / "metrics.jsonl").exists()
+
+
+def test_pipeline_config_sections_and_overrides(tmp_path):
+    from megarl.config import ConfigError
+    from megarl.trainers.pipeline import load_pipeline_config
+
+    cfgs = load_pipeline_config("configs/tiny_pipeline.yaml",
+                                ["train.run_dir=/tmp/p", "stages.rl.optim.lr=2e-5", "optim.weight_decay=0.2"])
+    assert (cfgs["sft"].train.steps, cfgs["rm"].train.steps, cfgs["rl"].train.steps) == (600, 800, 40)
+    assert cfgs["rl"].optim.lr == 2e-5 and cfgs["sft"].optim.lr == 3e-3
+    # a stage section sets its own weight decay; the shared override reaches the others' unset fields
+    assert cfgs["rl"].optim.weight_decay == 0.0 and cfgs["sft"].optim.weight_decay == 0.01
+    assert all(c.train.run_dir == "/tmp/p" for c in cfgs.values())
+    with pytest.raises(ConfigError, match=r"stages.rl: tokenizer .* differs"):
+        load_pipeline_config("configs/tiny_pipeline.yaml", ["stages.rl.tokenizer.kind=hf"])
+    with pytest.raises(ConfigError, match=r"expected stages.<sft\|rm\|rl>"):
+        load_pipeline_config("configs/tiny_pipeline.yaml", ["stages.ppo.optim.lr=1"])
+    with pytest.raises(ConfigError, match=r"unknown key 'optim.lrr'"):
+        load_pipeline_config("configs/tiny_pipeline.yaml", ["stages.sft.optim.lrr=1"])
