@@ -42,11 +42,13 @@ def test_debug_shows_traceback():
 
 def test_bad_data_file_is_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{not json\n')
+    # one global batch (32) of good records first: a smaller file is refused before it is parsed
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n' * 40
+                   + '{not json\n')
     out = megarl(["sft", "--config", "configs/tiny_sft.yaml", f"data.train_path={bad}", f"train.run_dir={tmp_path}/r",
                   "tracking.backend=none"], check=False)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert f"{bad}:2:" in out.stderr and out.stderr.count("\n") == 1
+    assert f"{bad}:41:" in out.stderr and out.stderr.count("\n") == 1
 
 
 def test_validate_command():

@@ -92,3 +92,10 @@ def test_rl_rules_name_each_bad_key():
     assert "rl.dual_clip must be > 1" in text
     assert "no reward" in text
     assert check_config(cfg, world_size=4, cuda=False) == [] or "rl." not in "\n".join(check_config(cfg, 4, False))
+
+
+def test_reference_starts_where_the_actor_starts():
+    cfg = load_config(None, ["roles.actor.init_from=/models/llama"])
+    assert role_config(cfg, "reference").init_from == "/models/llama"
+    cfg = load_config(None, ["roles.actor.init_from=/models/llama", "roles.reference.init_from=sft"])
+    assert role_config(cfg, "reference").init_from == "sft"

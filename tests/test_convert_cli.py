@@ -31,9 +31,9 @@ def _tensors(d):
 
 def test_hf_to_megarl_to_hf_is_bit_exact(tmp_path, hf_llama):
     megarl(["convert", "hf-to-megarl", "--hf", str(hf_llama), "--out", str(tmp_path / "ckpt")])
-    assert (tmp_path / "ckpt" / "latest").exists() and (tmp_path / "ckpt" / "model.yaml").exists()
+    assert (tmp_path / "ckpt" / "latest").exists() and (tmp_path / "ckpt" / "config.yaml").exists()
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text((tmp_path / "ckpt" / "model.yaml").read_text())
+    cfg.write_text((tmp_path / "ckpt" / "config.yaml").read_text())
     megarl(["convert", "megarl-to-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back"),
             "--arch", "llama", "--config", str(cfg)])
     a, b = _tensors(hf_llama), _tensors(tmp_path / "back")

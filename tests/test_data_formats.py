@@ -38,6 +38,11 @@ BAD_SFT = [
      "messages[0].content must be a string, got list"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "bad_messages", "no assistant message"),
     ({"question": "What?", "answer": ""}, "empty_field", "field 'answer' is empty"),
+    ({"messages": [{"role": "system", "content": "be brief"}, {"role": "assistant", "content": "hello"}]},
+     "bad_messages", "messages has no user message; a conversation needs at least one user turn"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"},
+                   {"role": "assistant", "content": "hello"}]},
+     "bad_messages", "messages[1] is a system message; a system message may only come first"),
 ]
 
 
@@ -218,3 +223,17 @@ def test_fail_error_has_no_chained_traceback(tmp_path):
     with pytest.raises(DataError) as e:
         build_sft_dataset(write_lines(tmp_path, ["{oops"]), TOK, seq_len=64)
     assert e.value.__suppress_context__ or e.value.__context__ is None
+
+
+def test_identical_preference_pair_and_conversation_rules(tmp_path):
+    good = {"prompt": "q", "chosen": "good", "rejected": "bad"}
+    same = {"prompt": "q", "chosen": "same", "rejected": "same"}
+    late_system = {"chosen": [{"role": "user", "content": "q"}, {"role": "system", "content": "s"},
+                              {"role": "assistant", "content": "a"}],
+                   "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]}
+    path = write_lines(tmp_path, [good, same, late_system, good])
+    with pytest.raises(DataError) as e:
+        build_preference_dataset(path, TOK, seq_len=64)
+    assert str(e.value) == f"{path}:2: chosen and rejected are the same; the pair has no preference to learn"
+    ds = build_preference_dataset(path, TOK, seq_len=64, policy="skip")
+    assert len(ds) == 2 and dict(ds.report.skipped) == {"identical_pair": 1, "bad_messages": 1}

@@ -41,13 +41,21 @@ def _three_writers(rank, world, root):
     for step in (13, 14):
         ck.save_checkpoint(root, step, {"policy": resumed}, {"n": step}, keep_last=2)
     listings.append(sorted(os.listdir(root)))
+    try:  # resuming with another model shape: one line naming the keys
+        ck.load_checkpoint(os.path.join(root, "step_00000014"), {"policy": _tiny_role(4, hidden=64)})
+        mismatch = None
+    except ck.CheckpointError as e:
+        mismatch = str(e)
     teardown()
-    return listings
+    return listings, mismatch
 
 
+@pytest.mark.slow
 def test_cleanup_never_deletes_another_runs_checkpoints(tmp_path):
     root = str(tmp_path / "ckpt")
-    first, other, resumed = run_distributed(_three_writers, 1, root)[0]
+    (first, other, resumed), mismatch = run_distributed(_three_writers, 1, root)[0]
+    assert mismatch is not None and "\n" not in mismatch
+    assert "the saved model does not match the configured one: model.hidden_size=32 (config: 64)" in mismatch
     assert first == ["latest", "step_00000005", "step_00000012"]
     # before the fix, keep_last=1 deleted step_5 and step_12 (with an older step than theirs, the new one too)
     assert other == ["latest", "step_00000000", "step_00000005", "step_00000012"]
@@ -97,6 +105,7 @@ def test_hf_to_megarl_refuses_a_non_empty_destination(tmp_path, hf_llama):
     assert (run / "latest").read_text() == "step_00000012\n"
 
 
+@pytest.mark.slow
 def test_convert_round_trip_reads_the_config_it_wrote_and_names_shape_mismatch(tmp_path, hf_llama):
     ck = tmp_path / "ck"
     megarl(["convert", "hf-to-megarl", "--hf", str(hf_llama), "--out", str(ck)])
@@ -159,6 +168,17 @@ def test_messages_that_misled(tmp_path, capsys):
             "--arch", "llama"], "no such checkpoint", capsys)
     _fails(["validate", "--config", "tiny_sft.yaml", "optim.lr=abc"], "override 'optim.lr=abc': 'optim.lr' expects a float", capsys)
     _fails(["validate", "--config", str(tmp_path)], f"{tmp_path}: is a directory, not a config file", capsys)
+    # a file where a directory is needed: one line, rc 2 (before: NotADirectoryError tracebacks, temp-path names)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    _fails(["synthetic", "--out", str(afile)], f"--out {afile}: is a file, not a directory", capsys)
+    _fails(["convert", "hf-to-megarl", "--hf", str(afile), "--out", str(tmp_path / "o")],
+           f"--hf {afile}: is a file; expected a Hugging Face model directory", capsys)
+    _fails(["validate", "--stage", "sft", "--config", "tiny_sft.yaml", f"train.run_dir={afile}"],
+           f"train.run_dir: {afile} is a file, not a directory", capsys)
+    _fails(["sft", "--config", "tiny_sft.yaml", f"train.run_dir={afile}/run"],
+           f"train.run_dir: {afile}/run cannot be created: {afile} is a file", capsys)
+    assert sorted(os.listdir(tmp_path)) == ["afile"]  # nothing written, no debris
 
 
 # --------------------------------------------------------------------------- tracking tells the truth
@@ -186,37 +206,105 @@ def test_resume_after_kill_logs_one_point_per_step(tmp_path):
         assert steps == list(range(1, 16)), (key, steps)  # before the fix: 16 points, 13 twice
 
 
-def _failing_stage(rank, world, run_dir, error):
+def _failing_stages(rank, world, run_dirs):
+    """One stage that fails and one that is pre-empted, each in its own run dir."""
     from megarl.config import load_config
     from megarl.trainers.loop import Preempted
     from megarl.trainers.session import stage_session
 
-    cfg = load_config(None, [f"train.run_dir={run_dir}", "tracking.backend=mlflow"])
-    try:
-        with stage_session(cfg, "sft"):
-            raise Preempted("pre-empted") if error == "preempted" else RuntimeError("boom")
-    except (Preempted, RuntimeError):
-        pass
+    for run_dir, error in zip(run_dirs, (RuntimeError("boom"), Preempted("pre-empted"))):
+        cfg = load_config(None, [f"train.run_dir={run_dir}", "tracking.backend=mlflow"])
+        try:
+            with stage_session(cfg, "sft"):
+                raise error
+        except (Preempted, RuntimeError):
+            pass
     return True
 
 
-@pytest.mark.parametrize("error,status", [("failed", "FAILED"), ("preempted", "KILLED")])
-def test_stage_that_ends_in_an_error_is_marked(tmp_path, error, status):
+@pytest.mark.slow
+def test_stage_that_ends_in_an_error_is_marked(tmp_path):
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     from megarl.tracking import write_report
     from megarl.tracking.state import RunState
 
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}").search_experiments()  # the store's tables, made ahead
-    run_distributed(_failing_stage, 1, str(run_dir), error)
-    parent, stage = RunState(run_dir).load(), RunState(run_dir / "sft").load()
-    client = MlflowClient(parent["tracking_uri"])
-    assert client.get_run(parent["run_id"]).info.status == status  # before the fix: FINISHED
-    child = client.get_run(stage["run_id"])
-    assert child.info.status == status
-    assert (child.data.tags.get("megarl.preempted") == "true") == (error == "preempted")
-    report = write_report(run_dir).read_text()
-    assert report.count(f"- status: {status}") == 2
+    run_dirs = [tmp_path / "failed", tmp_path / "preempted"]
+    for d in run_dirs:
+        d.mkdir()
+        MlflowClient(f"sqlite:///{d / 'mlflow.db'}").search_experiments()  # the store's tables, made ahead
+    run_distributed(_failing_stages, 1, [str(d) for d in run_dirs])
+    for run_dir, status in zip(run_dirs, ("FAILED", "KILLED")):
+        parent, stage = RunState(run_dir).load(), RunState(run_dir / "sft").load()
+        client = MlflowClient(parent["tracking_uri"])
+        assert client.get_run(parent["run_id"]).info.status == status  # before the fix: FINISHED
+        child = client.get_run(stage["run_id"])
+        assert child.info.status == status
+        assert (child.data.tags.get("megarl.preempted") == "true") == (status == "KILLED")
+        report = write_report(run_dir).read_text()
+        assert report.count(f"- status: {status}") == 2
+
+
+# --------------------------------------------------------------------------- early checks
+
+
+def test_inputs_are_checked_before_the_run_dir_is_touched(tmp_path, capsys):
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join('{"messages": [{"role": "user", "content": "%d"}, {"role": "assistant", "content": "x"}]}\n' % i
+                           for i in range(3)))
+    tok_file = tmp_path / "tok.json"
+    tok_file.write_text("{}")
+    run = tmp_path / "run"
+    cases = [
+        ("sft", ["data.train_path=/nonexistent/train.jsonl"], "data.train_path: /nonexistent/train.jsonl does not exist"),
+        ("sft", ["tokenizer.kind=hf", "tokenizer.path=/nonexistent/tok"], "tokenizer.path: /nonexistent/tok does not exist"),
+        ("sft", ["tokenizer.kind=hf", f"tokenizer.path={tok_file}"], "is a file; expected a directory"),
+        ("sft", ["model.vocab_size=100"], "model.vocab_size (100) is smaller than the tokenizer's vocabulary (261)"),
+        ("sft", [f"data.train_path={few}"], f"{few} has 3 records, fewer than one batch (data.global_batch_size=8)"),
+        ("sft", ["data.synthetic.n_train=4"], "data.synthetic.n_train (4) is smaller than one batch"),
+        ("rm", [], f"reward_model.init_from=sft: no checkpoint at {run / 'sft' / 'checkpoints'}"),
+        ("rl", [], f"roles.actor.init_from=sft: no checkpoint at {run / 'sft' / 'checkpoints'}"),
+    ]
+    for command, overrides, expect in cases:
+        args = ["--config", "tiny_sft.yaml", *TINY, f"train.run_dir={run}", *overrides]
+        _fails([command, *args], expect, capsys)
+        assert not run.exists(), (command, overrides)  # before the fix: run dir, mlflow.db, config.yaml
+        stage = {"sft": "sft", "rm": "rm", "rl": "rl"}[command]
+        # `megarl validate --stage` finds the same problem (it passed all of these)
+        _fails(["validate", "--stage", stage, *args], expect, capsys)
+    # without --stage, validate still checks the data and tokenizer every stage needs
+    _fails(["validate", "--config", "tiny_sft.yaml", *TINY, f"data.train_path={few}"], "has 3 records", capsys)
+
+
+# --------------------------------------------------------------------------- noise
+
+
+def test_known_cpu_warnings_are_silenced_and_others_kept():
+    import warnings
+
+    from megarl.runtime import cpu_compat
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cpu_compat.silence_known_warnings()
+        warnings.warn("When using async grad allreduce it is recommended to set the environment variable "
+                      "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", UserWarning)
+        warnings.warn("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning)
+        warnings.warn("something else", UserWarning)
+        warnings.warn("deprecating ShardedTensor, as a UserWarning", UserWarning)
+    assert [str(w.message) for w in caught] == ["something else", "deprecating ShardedTensor, as a UserWarning"]
+
+
+def test_preflight_accepts_random_roles_and_present_checkpoints(tmp_path):
+    from megarl.config import load_config
+    from megarl.trainers.data_setup import preflight
+
+    run = tmp_path / "run"
+    base = [f"train.run_dir={run}", *TINY]
+    rl_random = [f"roles.{r}.init_from=random" for r in ("actor", "reference", "critic", "reward")]
+    assert preflight(load_config("tiny_grpo.yaml", base + rl_random), "rl") == []
+    (run / "sft" / "checkpoints").mkdir(parents=True)
+    (run / "sft" / "checkpoints" / "latest").write_text("step_00000002\n")
+    assert preflight(load_config("tiny_rm.yaml", base), "rm") == []
+    assert preflight(load_config("tiny_sft.yaml", base), "eval") == []

@@ -54,12 +54,14 @@ def test_grpo_first_step_invariants_and_learning(tmp_path):
     """From a random model, GRPO raises the fraction of digits in its answers from a few % to most
     of them in 16 steps; the first step shows the textbook invariants."""
     run_rl(rl_args(tmp_path, "train.steps=16", "rl.prompts_per_step=8", "rl.samples_per_prompt=4",
+                   "rl.old_logprobs=rollout",
                    "rl.micro_batch_size=32", "rl.mini_batches=2", "rl.reward_fn=rl_rewards:digits",
                    "optim.lr=1e-2", "rl.kl_coef=0.01", "checkpoint.save_interval=0"))
     m = metrics(tmp_path / "rl")
     first = m[0]
-    assert first["kl/mean"] == 0.0  # the reference is the actor's starting point
-    assert first["actor/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-6)
+    assert first["kl/mean"] == pytest.approx(0.0, abs=1e-6)  # the reference is the actor's start
+    # the rollout's own log-probs are the behaviour policy's (to rounding): ratio 1, no clipping
+    assert first["actor/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-5)
     assert first["actor/clip_fraction_first_minibatch"] == 0.0
     assert first["actor/approx_kl_first_minibatch"] == pytest.approx(0.0, abs=1e-7)
     assert first["actor/clip_fraction"] > 0  # the second mini-batch moved off-policy enough to clip
@@ -149,6 +151,9 @@ def _overfit_body(rank, world_size, run_dir):
     stage = RLStage(cfg, str(run_dir / "rl"))
     stage.metrics, stage.timings = {}, {}
     exp, rollout = stage.make_experience(0)
+    # rl.old_logprobs=rollout: the engine's log-probs of the sampled tokens, in the label columns,
+    # equal the recomputed ones (temperature 1, no top-k/top-p)
+    torch.testing.assert_close(rollout.logprobs[rollout.response_mask], exp.old_logp[exp.mask], atol=2e-5, rtol=0)
     losses = []
     for epoch in range(6):  # the same batch, again and again: the clipped surrogate must fall
         out = stage._train(stage.actor, exp, stage._policy_loss(), 0, "actor")

@@ -45,6 +45,9 @@ def hf_to_megarl(hf_dir: str, out: str, role_name: str = "sft", overwrite: bool 
     from megarl.runtime.distributed import teardown
 
     _check_destination(out, overwrite)
+    if not os.path.isdir(hf_dir):
+        what = "is a file" if os.path.exists(hf_dir) else "does not exist"
+        raise ConfigError(f"--hf {hf_dir}: {what}; expected a Hugging Face model directory (config.json + safetensors)")
     model_cfg, weights = load_hf_checkpoint(hf_dir)
     if overwrite and os.path.isdir(out):
         import shutil

@@ -135,7 +135,10 @@ def run(args) -> int:
         run_eval(_load(args), checkpoint=args.checkpoint, hf=args.hf)
         return 0
     if args.command == "validate":
+        from megarl.trainers.data_setup import check_preflight
+
         cfg = _load(args)
+        check_preflight(cfg, args.stage)  # data, tokenizer, starting checkpoint: what a run would hit first
         world = _world(args)
         source = "--world-size" if args.world_size is not None else "$WORLD_SIZE or 1"
         print(f"{args.config}: valid for world size {world} ({source})")
@@ -154,10 +157,12 @@ def run(args) -> int:
     if args.command == "synthetic":
         import dataclasses
 
-        from megarl.config import load_config
+        from megarl.config import ConfigError, load_config
         from megarl.data.synthetic import check_task, write_synthetic_dataset
         from megarl.trainers.data_setup import data_seed
 
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise ConfigError(f"--out {args.out}: is a file, not a directory")
         cfg = load_config(args.config, args.overrides)
         flags = {"n_train": args.n_train, "n_test": args.n_test, "rejects": args.rejects}
         task = dataclasses.replace(cfg.data.synthetic, **{k: v for k, v in flags.items() if v is not None})
@@ -208,6 +213,13 @@ def main(argv=None) -> int:
         if _rank() == 0 or not isinstance(e, ConfigError):  # config errors are the same on every rank
             msg = f"{e.filename}: no such file" if isinstance(e, FileNotFoundError) and e.filename else str(e)
             print(f"megarl: error: {msg}", file=sys.stderr)
+        return EXIT_USAGE
+    except (NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError) as e:
+        if debug:
+            raise
+        # a path of the wrong kind, or one that cannot be created: named, with the OS's reason
+        where = e.filename or ""
+        print(f"megarl: error: {where}{': ' if where else ''}{e.strerror or e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("megarl: interrupted", file=sys.stderr)

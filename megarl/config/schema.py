@@ -94,7 +94,7 @@ class RoleConfig:
     # Where the weights start: "sft" / "reward_model" (that stage's latest checkpoint in this
     # run dir), a megarl checkpoint path, a Hugging Face directory, or "random" (train.seed's
     # initialisation). None: the role's default (actor and reference: sft; critic and reward:
-    # reward_model).
+    # reward_model; the reference: the actor's).
     init_from: Optional[str] = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
@@ -221,6 +221,10 @@ class RLConfig:
     top_k: int = 0
     top_p: float = 1.0
     rollout_batch_size: int = 64  # rows per generation micro-batch (bounds the KV cache)
+    # the behaviour policy's log-probs: recomputed by a forward of the actor (exact: ratio 1 on
+    # the first mini-batch), or the rollout's own (saves that forward; needs top_k 0 and top_p 1,
+    # since they are log-probs of the filtered distribution)
+    old_logprobs: Literal["recompute", "rollout"] = "recompute"
     # updates
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch and trained role
@@ -256,6 +260,7 @@ class RLConfig:
     eval_before_train: bool = True  # step 0: the model RL starts from, evaluated the same way
     eval_prompts: int = 64
     eval_samples: int = 4  # k of pass@k (samples per held-out prompt)
+    eval_reward_fn: str = "final_answer"  # a sample passes when this reward is > 0
     eval_temperature: float = 1.0
 
 
@@ -295,6 +300,9 @@ class ResolvedRole:
 
 def role_config(cfg: "Config", name: str) -> ResolvedRole:
     r: RoleConfig = getattr(cfg.roles, name)
+    init_from = r.init_from
+    if init_from is None:  # the reference is the actor's starting point, wherever that is
+        init_from = role_config(cfg, "actor").init_from if name == "reference" else ROLE_INIT_DEFAULTS[name]
     return ResolvedRole(name=name, model=r.model or cfg.model, optim=r.optim or cfg.optim,
                         lr_schedule=r.lr_schedule or cfg.lr_schedule, precision=r.precision or cfg.train.precision,
-                        init_from=r.init_from or ROLE_INIT_DEFAULTS[name], offload=r.offload)
+                        init_from=init_from, offload=r.offload)

@@ -100,6 +100,9 @@ def _rl_rules(cfg: Config, world_size: int, cuda: bool) -> list[str]:
         errs.append("rl.temperature and rl.eval_temperature must be > 0")
     if not 0 < r.top_p <= 1 or r.top_k < 0:
         errs.append(f"rl.top_p must be in (0, 1] and rl.top_k >= 0 (got {r.top_p}, {r.top_k})")
+    if r.old_logprobs == "rollout" and (r.top_k or r.top_p < 1):
+        errs.append("rl.old_logprobs=rollout needs rl.top_k=0 and rl.top_p=1 (the rollout's log-probs are of the "
+                    "filtered distribution); use rl.old_logprobs=recompute")
     if not (0 < r.clip_low < 1 and r.clip_high > 0):
         errs.append(f"rl.clip_low must be in (0, 1) and rl.clip_high > 0 (got {r.clip_low}, {r.clip_high})")
     if r.dual_clip is not None and r.dual_clip <= 1:

@@ -18,7 +18,9 @@ KINDS = (
     "missing_field",  # a required field is absent
     "empty_field",    # a required string is empty or whitespace only
     "unknown_role",   # a message role outside system/user/assistant
-    "bad_messages",   # a conversation with the wrong shape (no assistant turn, prompt ends with assistant)
+    "bad_messages",   # a conversation with the wrong shape (no user or assistant turn, a system
+                      # message after the first, prompt ends with assistant)
+    "identical_pair", # a preference pair whose chosen and rejected conversations are the same
     "bad_answer",     # a GSM8K answer without a final `#### n`
     "template_error", # the tokenizer's chat template refused the conversation
     "too_long",       # longer than seq_len after tokenisation

@@ -117,6 +117,16 @@ def _ends_with(msgs: Messages, role: str, what: str) -> Messages:
     return msgs
 
 
+def _conversation_rules(msgs: Messages, what: str) -> Messages:
+    """A system message only first; at least one user turn (what a chat template expects)."""
+    for i, m in enumerate(msgs):
+        if m["role"] == "system" and i > 0:
+            raise RecordProblem("bad_messages", f"{what}[{i}] is a system message; a system message may only come first")
+    if not any(m["role"] == "user" for m in msgs):
+        raise RecordProblem("bad_messages", f"{what} has no user message; a conversation needs at least one user turn")
+    return msgs
+
+
 # ---------------------------------------------------------------------------- record parsers
 
 def parse_sft(rec: dict) -> Messages:
@@ -133,7 +143,7 @@ def parse_sft(rec: dict) -> Messages:
                                              "(or 'prompt'+'completion', or GSM8K 'question'+'answer')")
     if not any(m["role"] == "assistant" for m in msgs):
         raise RecordProblem("bad_messages", "conversation has no assistant message to train on")
-    return msgs
+    return _conversation_rules(msgs, "messages")
 
 
 def parse_preference(rec: dict) -> tuple[Messages, Messages]:
@@ -146,7 +156,11 @@ def parse_preference(rec: dict) -> tuple[Messages, Messages]:
     elif chosen[0]["role"] == "assistant" or rejected[0]["role"] == "assistant":
         raise RecordProblem("missing_field", "missing field 'prompt' "
                                              "(needed unless 'chosen'/'rejected' are full conversations)")
-    return _ends_with(chosen, "assistant", "chosen"), _ends_with(rejected, "assistant", "rejected")
+    chosen, rejected = _ends_with(chosen, "assistant", "chosen"), _ends_with(rejected, "assistant", "rejected")
+    _conversation_rules(chosen, "chosen"), _conversation_rules(rejected, "rejected")
+    if chosen == rejected:
+        raise RecordProblem("identical_pair", "chosen and rejected are the same; the pair has no preference to learn")
+    return chosen, rejected
 
 
 def parse_prompt(rec: dict | str) -> tuple[Messages, str | None]:

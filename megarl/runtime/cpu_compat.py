@@ -93,11 +93,27 @@ class CPURNGStatesTracker:
         return _Tracker()
 
 
+# Known, harmless warnings on CPU, once per rank per run otherwise: megatron asks for a CUDA
+# setting that has no meaning without CUDA; torch deprecates ShardedTensor, which megatron-core's
+# dist_checkpointing still uses on every load (reported from this module, as the torch calls go
+# through CudaToCpuMode).
+KNOWN_WARNINGS = ((UserWarning, r".*CUDA_DEVICE_MAX_CONNECTIONS.*"),
+                  (FutureWarning, r".*deprecating ShardedTensor.*"))
+
+
+def silence_known_warnings() -> None:
+    import warnings
+
+    for category, message in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
 def enable() -> bool:
     """Install the bridges if CUDA is absent. Idempotent. Returns whether they are active."""
     global _mode
     if torch.cuda.is_available():
         return False
+    silence_known_warnings()
     if _mode is not None:
         return True
     torch.cuda.current_device = lambda: torch.device("cpu")

@@ -179,3 +179,132 @@ def prompt_dataset(cfg: Config, path: str):
     from megarl.data import build_prompt_dataset
 
     return build_prompt_dataset(path, tokenizer(cfg), cfg.rl.max_prompt_len, cfg.data.bad_records)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks before anything is written (stage_session, `megarl validate`)
+
+STAGE_ALIASES = {"rm": "reward_model"}
+
+
+def preflight(cfg: Config, stage: str | None) -> list[str]:
+    """What would make `stage` fail on its inputs, one line each: a run dir that cannot be made,
+    missing data or tokenizer files, a tokenizer larger than model.vocab_size, a dataset smaller
+    than one batch, no checkpoint to start from. stage: "sft", "reward_model"/"rm", "rl"; None:
+    the checks every stage shares; another name (e.g. "eval"): run dir and tokenizer only.
+    Cheap (counts lines, loads the tokenizer); runs before the run dir is touched, on every rank."""
+    stage = STAGE_ALIASES.get(stage, stage)
+    errs = _run_dir_errors(cfg.train.run_dir) + _tokenizer_errors(cfg)
+    if stage not in (None, "sft", "reward_model", "rl"):  # e.g. "eval": no training data, no start checkpoint
+        return errs
+    if stage == "rl":
+        r = cfg.rl
+        errs += _data_errors(cfg, "rl", ("prompts_path", "eval_prompts_path"), r.prompts_per_step,
+                             "rl.prompts_per_step")
+        errs += _rl_source_errors(cfg)
+    else:
+        errs += _data_errors(cfg, "data", ("train_path", "eval_path"), cfg.data.global_batch_size,
+                             "data.global_batch_size", synthetic=stage is not None)
+    if stage == "reward_model":
+        errs += _start_errors(cfg, cfg.reward_model.init_from, "reward_model.init_from",
+                              "or set reward_model.init_from=null")
+    return errs
+
+
+def check_preflight(cfg: Config, stage: str | None) -> None:
+    errs = preflight(cfg, stage)
+    if errs:
+        raise ConfigError("cannot start:\n  " + "\n  ".join(errs) if len(errs) > 1 else errs[0])
+
+
+def _run_dir_errors(run_dir: str) -> list[str]:
+    """train.run_dir must be a directory, or creatable: its nearest existing ancestor a writable directory."""
+    path = os.path.abspath(run_dir)
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return [f"train.run_dir: {run_dir} is a file, not a directory"]
+        return [] if os.access(path, os.W_OK) else [f"train.run_dir: {run_dir} is not writable"]
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return [f"train.run_dir: {run_dir} cannot be created: {parent} is a file"]
+    if not os.access(parent, os.W_OK):
+        return [f"train.run_dir: {run_dir} cannot be created: no write permission in {parent}"]
+    return []
+
+
+def _tokenizer_errors(cfg: Config) -> list[str]:
+    from megarl.data import DataError, load_tokenizer
+
+    t = cfg.tokenizer
+    if t.path and not os.path.exists(t.path):
+        return [f"tokenizer.path: {t.path} does not exist"]
+    if t.path and not os.path.isdir(t.path):
+        return [f"tokenizer.path: {t.path} is a file; expected a directory (with tokenizer.json)"]
+    try:
+        tok = load_tokenizer(t.kind, t.path)
+    except (DataError, OSError, ValueError) as e:
+        return [f"tokenizer: {e}"]
+    if tok.vocab_size > cfg.model.vocab_size:
+        return [f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
+                f"({tok.vocab_size}); set model.vocab_size={tok.vocab_size}"]
+    return []
+
+
+def _count_records(path: str) -> int | None:
+    """Non-blank lines of a JSONL/text file (None for other kinds, e.g. a shard directory)."""
+    if os.path.isdir(path) or path.endswith((".json", ".parquet")):
+        return None
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _data_errors(cfg: Config, section: str, keys: tuple, batch: int, batch_key: str, synthetic: bool = True) -> list[str]:
+    given = getattr(cfg, section)
+    train = getattr(given, keys[0])
+    if not train:
+        n = cfg.data.synthetic.n_train
+        if synthetic and n < batch:
+            return [f"data.synthetic.n_train ({n}) is smaller than one batch ({batch_key}={batch})"]
+        return []
+    errs = []
+    for key in keys:
+        path = getattr(given, key)
+        if path and not os.path.exists(path):
+            errs.append(f"{section}.{key}: {path} does not exist")
+    if errs:
+        return errs
+    n = _count_records(train)
+    if n is not None and n < batch:
+        errs.append(f"{section}.{keys[0]}: {train} has {n} records, fewer than one batch ({batch_key}={batch})")
+    return errs
+
+
+def _start_errors(cfg: Config, src: str | None, key: str, alternative: str) -> list[str]:
+    """A stage name ("sft", "reward_model") needs that stage's checkpoint in this run dir; a path must exist."""
+    if not src or src == "random":  # "random": train.seed's initialisation (RL roles)
+        return []
+    if src in ("sft", "reward_model"):
+        root = os.path.join(os.path.abspath(cfg.train.run_dir), src, "checkpoints")
+        if not os.path.isfile(os.path.join(root, "latest")):
+            cmd = "megarl sft" if src == "sft" else "megarl rm"
+            return [f"{key}={src}: no checkpoint at {root}; run `{cmd}` with the same train.run_dir first, {alternative}"]
+        return []
+    if not os.path.exists(src):
+        return [f"{key}: {src} does not exist"]
+    return []
+
+
+def _rl_source_errors(cfg: Config) -> list[str]:
+    from megarl.config.schema import role_config
+    from megarl.trainers.rl import needed_roles
+
+    errs, seen = [], set()
+    for name in needed_roles(cfg):
+        src = role_config(cfg, name).init_from
+        if src in seen:  # actor and reference both from "sft": one line
+            continue
+        seen.add(src)
+        errs += _start_errors(cfg, src, f"roles.{name}.init_from", "or point it at a checkpoint or Hugging Face directory")
+    return errs

@@ -88,7 +88,7 @@ def run_eval(cfg: Config, checkpoint: str | None = None, hf: str | None = None) 
         from megarl.trainers.rl import _mix
 
         metrics, rows = pass_at_k_eval(engine, ds, tok, n_prompts=r.eval_prompts, k=r.eval_samples, params=params,
-                                       seed=_mix(cfg.train.seed, 99991), reward_fn=load_reward_fn(r.reward_fn or "final_answer"))
+                                       seed=_mix(cfg.train.seed, 99991), reward_fn=load_reward_fn(r.eval_reward_fn))
         metrics = {f"eval/{k}": v for k, v in metrics.items()}
         s.tracker.log_metrics(metrics, step=0)
         if rows:

@@ -259,6 +259,9 @@ def run_stage(cfg: Config, stage: Stage, stage_dir: str, tracker) -> dict:
     total = cfg.train.steps
     checkpointer = Checkpointer(cfg, stage, os.path.join(stage_dir, "checkpoints"), tracker)
     step = checkpointer.resume()
+    if step >= total and is_rank0():
+        log.info("%s: already complete (step %d of %d); results in %s (metrics.jsonl, checkpoints/)",
+                 stage.name, step, total, stage_dir)
     logger = MetricLogger(tracker, stage_dir, stage.name, total, step, cfg.train.log_interval)
     evaluator = Evaluator(stage, cfg.train.eval_interval, total, logger)
     if step == 0:

@@ -272,6 +272,7 @@ class RLStage(Stage):
         self.engine = MegatronRolloutEngine(self.actor, vocab_size=cfg.model.vocab_size, pad_id=self.tok.pad_id,
                                             decode=self.tok.decode, max_batch_size=r.rollout_batch_size)
         self.reward_fn = load_reward_fn(r.reward_fn) if r.reward_fn else None
+        self.eval_reward_fn = load_reward_fn(r.eval_reward_fn)
         if r.kl_target is not None:
             self.kl_ctl = A.AdaptiveKLController(r.kl_coef, r.kl_target, r.kl_horizon)
         else:
@@ -346,8 +347,12 @@ class RLStage(Stage):
         groups = plan_microbatches(exp.lengths, max_rows=r.micro_batch_size, max_tokens=r.max_tokens_per_micro_batch)
 
         logprobs = _token_logprobs(self.cfg.model.vocab_size, r.temperature)
-        self._phase("score_actor")
-        exp.old_logp = collect_per_token(self.actor, exp, groups, lambda b, o: logprobs(b, o)[0])
+        if r.old_logprobs == "rollout":  # the sampled distribution's own log-probs, moved to label columns
+            exp.old_logp = torch.zeros(exp.tokens.shape, dtype=torch.float32)
+            exp.old_logp[exp.mask] = rollout.logprobs[rollout.response_mask]
+        else:
+            self._phase("score_actor")
+            exp.old_logp = collect_per_token(self.actor, exp, groups, lambda b, o: logprobs(b, o)[0])
         if "reference" in self.all_roles:
             self._phase("score_reference")
             exp.ref_logp = collect_per_token(self.all_roles["reference"], exp, groups, lambda b, o: logprobs(b, o)[0])
@@ -541,7 +546,7 @@ class RLStage(Stage):
         self.phases.enter("generate")
         return pass_at_k_eval(self.engine, self.eval_ds, self.tok, n_prompts=r.eval_prompts, k=r.eval_samples,
                               params=self._sampling(r.eval_temperature, r.eval_samples),
-                              seed=_mix(self.cfg.train.seed, 99991), reward_fn=self.reward_fn)
+                              seed=_mix(self.cfg.train.seed, 99991), reward_fn=self.eval_reward_fn)
 
     @property
     def evaluate_first(self) -> bool:

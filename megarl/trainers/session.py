@@ -38,7 +38,9 @@ def setup_logging(rank: int) -> None:
 @contextlib.contextmanager
 def stage_session(cfg: Config, stage: str, keep_process_group: bool = False):
     from megarl.tracking import create_tracker
+    from megarl.trainers.data_setup import check_preflight
 
+    check_preflight(cfg, stage)  # every rank, before any process group, run dir or MLflow run exists
     p = cfg.parallel
     env = init_distributed(p.tp, p.pp, p.cp, seed=cfg.train.seed, backend=cfg.launcher.backend,
                            timeout_minutes=cfg.launcher.timeout_minutes)
