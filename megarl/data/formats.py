@@ -214,23 +214,25 @@ def iter_lines(path: str, report: Report):
                 report.problem(lineno, "invalid_utf8", f"not valid UTF-8 (byte {e.start})")
 
 
-def iter_json_records(path: str, report: Report):
-    """Yield (line_number, dict) for each JSON object line, applying the policy to bad lines."""
+def iter_json_records(path: str, report: Report, strings: bool = False):
+    """Yield (line_number, record) for each JSON object line (and JSON string line, with
+    strings=True), applying the policy to bad lines."""
+    types, what = ((dict, str), "a JSON object or string") if strings else (dict, "a JSON object")
     for lineno, text in iter_lines(path, report):
         try:
             rec = json.loads(text)
         except json.JSONDecodeError as e:
             report.problem(lineno, "invalid_json", f"invalid JSON: {e.msg} (column {e.colno})")
             continue
-        if not isinstance(rec, dict):
-            report.problem(lineno, "wrong_type", f"expected a JSON object, got {_type_name(rec)}")
+        if not isinstance(rec, types):
+            report.problem(lineno, "wrong_type", f"expected {what}, got {_type_name(rec)}")
             continue
         yield lineno, rec
 
 
-def _read(path: str, report: Report, parse, make):
+def _read(path: str, report: Report, parse, make, strings: bool = False):
     out = []
-    for lineno, rec in iter_json_records(path, report):
+    for lineno, rec in iter_json_records(path, report, strings):
         try:
             out.append(make(lineno, parse(rec)))
         except RecordProblem as p:
@@ -251,17 +253,4 @@ def read_prompts(path: str, report: Report) -> list[PromptRecord]:
     if str(path).endswith(".txt"):
         return [PromptRecord(lineno, [{"role": "user", "content": text}], None)
                 for lineno, text in iter_lines(path, report)]
-    out = []
-    for lineno, text in iter_lines(path, report):
-        try:
-            rec = json.loads(text)
-        except json.JSONDecodeError as e:
-            report.problem(lineno, "invalid_json", f"invalid JSON: {e.msg} (column {e.colno})")
-            continue
-        try:
-            if not isinstance(rec, (dict, str)):
-                raise RecordProblem("wrong_type", f"expected a JSON object or string, got {_type_name(rec)}")
-            out.append(PromptRecord(lineno, *parse_prompt(rec)))
-        except RecordProblem as p:
-            report.problem(lineno, p.kind, str(p))
-    return out
+    return _read(path, report, parse_prompt, lambda line, pa: PromptRecord(line, *pa), strings=True)
