@@ -239,3 +239,17 @@ def test_offloading_every_role_between_phases_changes_nothing_but_memory(tmp_pat
     # every phase holds only its own roles: the peak is one phase's need, below all roles at once
     assert last["memory/peak_device_gib"] < kept[-1]["memory/device_gib"]
     assert last["memory/generate_device_gib"] < last["memory/train_actor_device_gib"]
+
+
+def test_kl_ceiling_stops_the_run_in_one_line_with_the_last_good_checkpoint(tmp_path):
+    args = rl_args(tmp_path, "train.steps=6", "rl.prompts_per_step=4", "rl.samples_per_prompt=2",
+                   "rl.reward_fn=rl_rewards:digits", "optim.lr=1e-2", "rl.kl_coef=0.01", "rl.kl_ceiling=1e-9",
+                   "rl.kl_ceiling_steps=2", "checkpoint.save_interval=1")
+    out = subprocess.run(command(args), capture_output=True, text=True, timeout=600, env=rl_env(),
+                         cwd=os.path.dirname(HERE))
+    assert out.returncode == 1, out.stderr[-2000:]
+    line = [x for x in out.stderr.splitlines() if x.startswith("megarl: stopped:")]
+    assert line and "stayed above rl.kl_ceiling" in line[0] and "Traceback" not in out.stderr
+    # KL is 0 at step 1 (reference = actor) and above the ceiling from step 2: stopped at step 3,
+    # whose state was never saved
+    assert (tmp_path / "rl" / "checkpoints" / "latest").read_text().strip() == "step_00000002"

@@ -191,7 +191,8 @@ def main(argv=None) -> int:
     from megarl.checkpoint.distributed import CheckpointError
     from megarl.config import ConfigError
     from megarl.data import DataError
-    from megarl.trainers.loop import EXIT_REQUEUE, Preempted
+    from megarl.rewards import RewardError
+    from megarl.trainers.loop import EXIT_REQUEUE, Preempted, StageStopped
 
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("MEGARL_DEBUG") == "1"
@@ -221,6 +222,12 @@ def main(argv=None) -> int:
         where = e.filename or ""
         print(f"megarl: error: {where}{': ' if where else ''}{e.strerror or e}", file=sys.stderr)
         return EXIT_USAGE
+    except (StageStopped, RewardError) as e:  # the run stopped itself; its last good checkpoint is kept
+        if debug:
+            raise
+        if _rank() == 0:
+            print(f"megarl: stopped: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("megarl: interrupted", file=sys.stderr)
         return 130

@@ -33,6 +33,12 @@ class Preempted(Exception):
     """Raised after the pre-emption checkpoint is durable; the CLI exits with EXIT_REQUEUE."""
 
 
+class StageStopped(RuntimeError):
+    """A stage stopped itself for the reason its message names (divergence, repeated non-finite
+    steps); nothing more is saved, so the last good checkpoint stays the latest. The CLI prints
+    the message on one line and exits 1."""
+
+
 class Stage:
     """What the loop drives. Subclasses set `name` and `roles` and implement `step`.
 

@@ -31,7 +31,7 @@ from megarl.roles.role import Role
 from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
 from megarl.trainers import data_setup
 from megarl.trainers.common import padding_waste, plan_microbatches
-from megarl.trainers.loop import Stage, train_stage
+from megarl.trainers.loop import Stage, StageStopped, train_stage
 
 log = logging.getLogger("megarl")
 
@@ -513,7 +513,7 @@ class RLStage(Stage):
         self.nonfinite_in_a_row += 1
         log.warning("rl step %d skipped: %s (%d in a row)", step + 1, why, self.nonfinite_in_a_row)
         if self.nonfinite_in_a_row >= self.cfg.rl.max_nonfinite_steps:
-            raise RuntimeError(f"rl: {self.nonfinite_in_a_row} steps in a row had a {why}; stopping "
+            raise StageStopped(f"rl: {self.nonfinite_in_a_row} steps in a row had a {why}; stopping "
                                "(the last good checkpoint is kept); lower optim.lr or check the reward function")
         return {"train/skipped_steps": 1.0, **{k: v for k, v in self.metrics.items() if k.startswith("memory/")}}
 
@@ -523,7 +523,7 @@ class RLStage(Stage):
             return
         self.kl_over_ceiling = self.kl_over_ceiling + 1 if kl > r.kl_ceiling else 0
         if self.kl_over_ceiling >= r.kl_ceiling_steps:
-            raise RuntimeError(f"rl: KL to the reference ({kl:.4g}) stayed above rl.kl_ceiling ({r.kl_ceiling}) "
+            raise StageStopped(f"rl: KL to the reference ({kl:.4g}) stayed above rl.kl_ceiling ({r.kl_ceiling}) "
                                f"for {self.kl_over_ceiling} steps (step {step + 1}); stopping with the last good "
                                "checkpoint kept: lower optim.lr or raise rl.kl_coef")
 
