@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from megarl.config.schema import LRScheduleConfig, ModelConfig, OptimConfig, ParallelConfig
 from megarl.models.gpt import build_model
 from megarl.optim import build_optimizer, build_scheduler
-from megarl.runtime.distributed import broadcast_from_last_stage, device
+from megarl.runtime.distributed import broadcast_from_last_stage, dp_means
 
 Batch = dict  # tokens [b, s], position_ids [b, s], attention_mask [b, 1, s, s] or None, ...
 LossFn = Callable[[Batch, torch.Tensor], tuple]
@@ -214,12 +213,5 @@ def reduce_metrics(reported: list[dict]) -> dict:
         for k, v in mb.items():
             v = v.detach().double().cpu()
             totals[k] = totals[k] + v if k in totals else v
-    means = {}
-    if ps.is_pipeline_last_stage() and totals:
-        packed = torch.stack([totals[k] for k in sorted(totals)])
-        if dist.is_initialized():
-            packed = packed.to(device())
-            dist.all_reduce(packed, group=ps.get_data_parallel_group(with_context_parallel=True))
-            packed = packed.cpu()
-        means = {k: (packed[i, 0] / packed[i, 1].clamp(min=1)).item() for i, k in enumerate(sorted(totals))}
+    means = dp_means({k: (v[0], v[1]) for k, v in totals.items()}) if ps.is_pipeline_last_stage() else {}
     return broadcast_from_last_stage(means)

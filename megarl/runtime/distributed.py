@@ -140,6 +140,41 @@ def device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def dp_group():
+    """The data-parallel group (context parallel included) for statistics over the global batch;
+    None in a single process (the algorithms then reduce locally)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group(with_context_parallel=True) if dist.is_initialized() else None
+
+
+def dp_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over the data-parallel ranks, in float64 on CPU."""
+    y = x.detach().double()
+    if dist.is_initialized():
+        y = y.to(device())
+        dist.all_reduce(y, group=dp_group())
+    return y.cpu()
+
+
+def dp_means(pairs: dict) -> dict:
+    """{name: (sum, count)} on this rank -> {name: sum over DP ranks / count over DP ranks}."""
+    if not pairs:
+        return {}
+    names = sorted(pairs)
+    packed = dp_sum(torch.tensor([[float(pairs[k][0]), float(pairs[k][1])] for k in names], dtype=torch.float64))
+    return {k: (packed[i, 0] / packed[i, 1].clamp(min=1)).item() for i, k in enumerate(names)}
+
+
+def dp_max(value: float) -> float:
+    """The largest of `value` over the data-parallel ranks."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group())
+    return t.item()
+
+
 def broadcast_from_last_stage(value):
     """`value` from the last pipeline stage to every stage of this rank's pipeline.
 

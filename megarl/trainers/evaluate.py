@@ -29,7 +29,7 @@ def pass_at_k_eval(engine, dataset, tok, *, n_prompts: int, k: int, params, seed
     from megatron.core import parallel_state as ps
 
     from megarl.rewards import pass_at_k, score_batch
-    from megarl.trainers.rl import dp_means
+    from megarl.runtime.distributed import dp_means
 
     n = min(n_prompts, len(dataset))
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

@@ -154,7 +154,8 @@ class Pipeline:
         return final
 
     def _stage(self, stage: str) -> dict:
-        from megarl.runtime.distributed import is_rank0, teardown
+        from megarl.config import validate_config
+        from megarl.runtime.distributed import is_rank0, teardown, world_size_from_env
         from megarl.trainers import reward_model, rl, sft
         from megarl.trainers.loop import train_stage
 
@@ -166,9 +167,6 @@ class Pipeline:
             return done
         module = {"sft": sft, "rm": reward_model, "rl": rl}[stage]
         cfg = self.configs[stage]
-        from megarl.config import validate_config
-        from megarl.runtime.distributed import world_size_from_env
-
         validate_config(cfg, world_size_from_env(), stage="rl" if stage == "rl" else None)
         logs = os.path.join(self.run_dir, "logs")
         tee = contextlib.nullcontext()

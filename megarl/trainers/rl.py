@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megarl import algorithms as A
 from megarl.config import Config, ConfigError
@@ -29,6 +28,7 @@ from megarl.config.schema import role_config
 from megarl.models.gpt import mask_padded_vocab
 from megarl.roles.role import Role
 from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+from megarl.runtime.distributed import dp_group, dp_max, dp_means, dp_sum
 from megarl.trainers import data_setup
 from megarl.trainers.common import padding_waste, plan_microbatches
 from megarl.trainers.loop import Stage, StageStopped, train_stage
@@ -37,8 +37,8 @@ log = logging.getLogger("megarl")
 
 STAGE = "rl"
 CRITIC_ALGORITHMS = ("ppo",)
-LM_ROLES = ("sft", "actor", "reference")
-ACCURACY_REWARDS = ("final_answer", "gsm8k", "exact_match")  # 0/1 rewards: their mean is an accuracy  # checkpoint role names whose output layer is an LM head
+LM_ROLES = ("sft", "actor", "reference")  # checkpoint role names whose output layer is an LM head
+ACCURACY_REWARDS = ("final_answer", "gsm8k", "exact_match")  # 0/1 rewards: their mean is an accuracy
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ class Experience:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
 
-    def microbatch(self, rows: list[int], **extra) -> dict:
+    def microbatch(self, rows: list[int]) -> dict:
         """Rows `rows`, cut to their longest sequence, as a Role micro-batch."""
         width = max(self.lengths[i] for i in rows)
         idx = torch.tensor(rows)
@@ -70,7 +70,6 @@ class Experience:
             value = getattr(self, name)
             if value is not None:
                 mb[name] = value[idx, :width]
-        mb.update(extra)
         return mb
 
 
@@ -87,60 +86,16 @@ def experience_from_rollout(rollout, pad_id: int) -> Experience:
 
 
 # ---------------------------------------------------------------------------------------------
-# Data-parallel reductions (every pipeline stage holds the same experience)
-
-
-def _dp_group():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_group(with_context_parallel=True)
-
-
-def dp_sum(x: torch.Tensor) -> torch.Tensor:
-    from megarl.runtime.distributed import device
-
-    if not dist.is_initialized():
-        return x
-    y = x.detach().double().to(device())
-    dist.all_reduce(y, group=_dp_group())
-    return y.cpu()
-
-
-def dp_means(pairs: dict) -> dict:
-    """{name: (sum, count)} over this rank -> {name: global mean} on every rank."""
-    if not pairs:
-        return {}
-    names = sorted(pairs)
-    packed = dp_sum(torch.tensor([[float(pairs[k][0]), float(pairs[k][1])] for k in names], dtype=torch.float64))
-    return {k: (packed[i, 0] / packed[i, 1].clamp(min=1)).item() for i, k in enumerate(names)}
-
-
-def dp_max(value: float) -> float:
-    from megarl.runtime.distributed import device
-
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_dp_group())
-    return t.item()
-
-
-def dp_group_or_none():
-    """The DP group for batch statistics over the global batch (None in a single process)."""
-    return _dp_group() if dist.is_initialized() else None
-
-
-# ---------------------------------------------------------------------------------------------
 # Roles
 
 
 def _checkpoint_source(cfg: Config, source: str, key: str) -> str:
     """'sft' / 'reward_model' -> that stage's latest checkpoint in this run dir; a path -> itself."""
-    from megarl.checkpoint.distributed import latest_checkpoint
+    from megarl.checkpoint.distributed import latest_checkpoint, resolve_checkpoint
 
     if source in ("sft", "reward_model"):
         root = os.path.join(os.path.abspath(cfg.train.run_dir), source, "checkpoints")
-        path = latest_checkpoint(root) if os.path.isfile(os.path.join(root, "latest")) else None
+        path = latest_checkpoint(root)
         if path is None:
             cmd = "megarl sft" if source == "sft" else "megarl rm"
             raise ConfigError(f"{key}={source}: no checkpoint at {root}; run `{cmd}` with the same train.run_dir "
@@ -148,9 +103,7 @@ def _checkpoint_source(cfg: Config, source: str, key: str) -> str:
         return path
     if not os.path.exists(source):
         raise ConfigError(f"{key}: {source} does not exist")
-    if os.path.isfile(os.path.join(source, "latest")):
-        return latest_checkpoint(source)
-    return source
+    return resolve_checkpoint(source)
 
 
 def load_role_weights(cfg: Config, role: Role, source: str, key: str) -> str:
@@ -163,11 +116,8 @@ def load_role_weights(cfg: Config, role: Role, source: str, key: str) -> str:
     if source == "random":  # train.seed's layout-invariant initialisation (tests, benchmarks)
         return "random initialisation"
     path = _checkpoint_source(cfg, source, key)
-    if os.path.isfile(os.path.join(path, "config.json")):  # Hugging Face: an LM
-        if role.head != "lm":
-            data_setup.init_weights(cfg, role, _with_init(role.model_cfg, path), skip_head=True)
-        else:
-            data_setup.init_weights(cfg, role, _with_init(role.model_cfg, path))
+    if os.path.isfile(os.path.join(path, "config.json")):  # Hugging Face: an LM (a scalar role keeps its head)
+        data_setup.init_weights(cfg, role, _with_init(role.model_cfg, path), skip_head=role.head != "lm")
         return path
     with open(os.path.join(path, MANIFEST)) as f:
         saved = json.load(f)["roles"]
@@ -433,7 +383,7 @@ class RLStage(Stage):
                 exp.returns = ret
                 metrics.update(dp_means({"critic/returns_mean": ((ret.double() * mask).sum(), mask.sum())}))
             else:  # whitened over the global batch inside
-                adv = A.reinforce_pp_advantages(token_r, mask, r.gamma, group=dp_group_or_none())
+                adv = A.reinforce_pp_advantages(token_r, mask, r.gamma, group=dp_group())
         else:
             seq = exp.scores if penalty is None else exp.scores - penalty.sum(1)
             if algo == "grpo":
@@ -444,7 +394,7 @@ class RLStage(Stage):
                 seq_adv = A.reinforce_advantages(seq, n)
             adv = A.broadcast_to_tokens(seq_adv, mask)
         whiten = r.whiten_advantages if r.whiten_advantages is not None else algo == "ppo"
-        exp.advantages = (A.whiten(adv, mask, group=dp_group_or_none()) if whiten else adv * mask).float()
+        exp.advantages = (A.whiten(adv, mask, group=dp_group()) if whiten else adv * mask).float()
 
     # -- losses ---------------------------------------------------------------------------------
 
