@@ -48,3 +48,28 @@ def run_distributed(fn, world_size, *args, init_process_group=True):
             nprocs=world_size, join=True, start_method="spawn",
         )
         return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+class megatron_attention:
+    """Within the block, the models' self-attention runs megatron-core's own `SelfAttention.forward`
+    (its RoPE, core attention and KV cache) instead of megarl's: the same module objects and
+    parameters, with the class switched back to megarl's subclass's base. The independent
+    reference for megarl.models.attention."""
+
+    def __init__(self, models):
+        self.models = list(models)
+
+    def __enter__(self):
+        from megatron.core.transformer.attention import SelfAttention
+
+        self.swapped = [m for model in self.models for m in model.modules()
+                        if isinstance(m, SelfAttention) and type(m) is not SelfAttention]
+        self.classes = [type(m) for m in self.swapped]
+        for m in self.swapped:
+            m.__class__ = SelfAttention
+        return self
+
+    def __exit__(self, *exc):
+        for m, cls in zip(self.swapped, self.classes):
+            m.__class__ = cls
+        return False

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from dist_helpers import run_distributed
+from dist_helpers import megatron_attention, run_distributed
 
 VOCAB, PAD = 100, 0  # vocab 100 is padded to 128 in the model: padded columns must never be sampled
 LENS = (1, 5, 9, 2, 13, 7)  # mixed prompt lengths, in no order
@@ -88,9 +88,9 @@ def _single_body(rank, world_size):
     ref = greedy_generate(role, prompts, max_new_tokens=12, stop_ids=stop_ids, pad_id=PAD, vocab_size=VOCAB)
     eng = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, decode=_decode, max_batch_size=4)
     got = eng.generate(prompts, SamplingParams(greedy=True, max_new_tokens=12, stop_ids=stop_ids), seed=0)
-    slow = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=4, fast_attention=False,
-                                 compact=False)
-    got_megatron_attention = slow.generate(prompts, SamplingParams(greedy=True, max_new_tokens=12, stop_ids=stop_ids), seed=0)
+    slow = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=4, compact=False)
+    with megatron_attention(role.chunks):  # megatron-core's own cache (keys before RoPE) and core attention
+        got_megatron_attention = slow.generate(prompts, SamplingParams(greedy=True, max_new_tokens=12, stop_ids=stop_ids), seed=0)
     out["greedy"] = (ref, got, stop_ids, got_megatron_attention)
 
     # 2. sampled log-probs against a float64 recomputation over a no-cache forward
@@ -198,7 +198,7 @@ def test_kv_cache_greedy_equals_no_cache_reference(single):
     ref, got, stop_ids, got_megatron_attention = single["greedy"]
     assert got.responses() == ref
     assert got.stats["compactions"] > 0, "finished rows must have left the cache in this test"
-    assert got_megatron_attention.responses() == ref  # megatron's own core attention, no compaction
+    assert got_megatron_attention.responses() == ref  # megatron-core's own attention module, no compaction
     assert got_megatron_attention.stats["compactions"] == 0
     ends = [r[-1] in stop_ids for r in ref]
     assert got.stopped.tolist() == ends

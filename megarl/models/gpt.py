@@ -86,11 +86,19 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig, precision: str = "fp
 
 
 def layer_spec(mc: ModelConfig):
+    """megatron-core's layer spec (local, or Transformer Engine's) with megarl's self-attention
+    module swapped in (models/attention.py: cat-free RoPE, SDPA, KV cache of rotated keys);
+    every other module and every parameter stay megatron-core's."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    from megarl.models.attention import self_attention_class
+
     if use_transformer_engine(mc):
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=mc.qk_norm)
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.qk_norm)
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=mc.qk_norm)
+    else:
+        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.qk_norm)
+    spec.submodules.self_attention.module = self_attention_class()
+    return spec
 
 
 class ScalarHead(nn.Module):

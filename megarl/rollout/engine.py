@@ -2,7 +2,8 @@
 
 The model that trains is the model that samples: no weight copy, no second engine. One prefill
 over left-padded prompts (explicit [b, 1, sq, sk] mask), then one token per step with
-megatron-core's `StaticInferenceContext` holding the KV cache. megatron-core's own engines do
+megatron-core's `StaticInferenceContext` holding the KV cache, which megarl's attention module
+fills with keys after RoPE, in a [B, g, S, d] layout (models/attention.py). megatron-core's own engines do
 not fit RL on CPU (NOTES.md): the dynamic one needs CUDA kernels, the legacy static one samples
 padded-vocabulary ids, ignores the temperature in its log-probs and seeds every rank alike.
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -74,13 +74,12 @@ def _unwrap(model):
 class MegatronRolloutEngine(RolloutEngine):
     def __init__(self, role, *, vocab_size: int, pad_id: int, decode: Callable[[list[int]], str] | None = None,
                  max_batch_size: int = 64, max_seq_len: int | None = None, pp_microbatches: int | None = None,
-                 fast_attention: bool = True, compact: bool = True):
+                 compact: bool = True):
         """role: a megarl Role (or its model, possibly DDP / Float16Module wrapped) with an LM head.
         vocab_size: the true vocabulary (padded columns are never sampled).
         max_batch_size: rows per KV cache (micro-batch); the cache is freed after each.
         max_seq_len: longest prompt + response; default the model's max_position_embeddings.
         pp_microbatches: at PP > 1, pipeline micro-batches per step (default: PP size).
-        fast_attention: run megatron's local core attention through torch SDPA (see _SDPAttention).
         compact: drop finished rows from the KV cache once half of the rows are done."""
         self.chunks = _model_chunks(role)
         self.model = self.chunks[0]
@@ -95,7 +94,7 @@ class MegatronRolloutEngine(RolloutEngine):
         self.config = self.gpt.config
         self.pp_microbatches = pp_microbatches or self.config.pipeline_model_parallel_size
         self.device = next(self.gpt.parameters()).device
-        self.fast_attention, self.compact = fast_attention, compact
+        self.compact = compact
 
     # ------------------------------------------------------------------ public
 
@@ -115,7 +114,7 @@ class MegatronRolloutEngine(RolloutEngine):
         stopped = torch.zeros(N, dtype=torch.bool)
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "forwards": 0, "kv_cache_bytes": 0, "kv_cache_tokens": 0,
                  "batches": 0, "compactions": 0}
-        with _inference_mode(self.chunks, self.gpt, self.fast_attention):
+        with _inference_mode(self.chunks, self.gpt):
             for b0 in range(0, N, self.max_batch_size):
                 batch = order[b0: b0 + self.max_batch_size]
                 out = self._generate_batch([rows[r] for r in batch],
@@ -297,9 +296,10 @@ def _cpu_shim_suspended():
 
 
 def _compact_cache(ctx, keep):
-    """Keep only cache rows `keep` [A'] (every layer of this stage; every rank drops the same rows)."""
+    """Keep only cache rows `keep` [A'] (every layer of this stage; every rank drops the same rows).
+    The cache is megarl's attention's (models/attention.py): [B, g, S, d] per layer."""
     for layer, (k, v) in list(ctx.key_value_memory_dict.items()):
-        ctx.key_value_memory_dict[layer] = (k[:, keep], v[:, keep])  # [S, A', g, d] copies; old ones freed
+        ctx.key_value_memory_dict[layer] = (k[keep], v[keep])  # [A', g, S, d] copies; old ones freed
     ctx.max_batch_size = len(keep)
 
 
@@ -307,58 +307,12 @@ def _cache_bytes(ctx) -> int:
     return sum(t.numel() * t.element_size() for kv in ctx.key_value_memory_dict.values() for t in kv)
 
 
-class _SDPAttention(torch.nn.Module):
-    """Generation-time stand-in for megatron-core's core attention: the same maths (scale,
-    boolean mask with True = masked) through torch's fused SDPA, which reads grouped KV heads in
-    place. megatron's local `DotProductAttention` repeats the whole KV cache per query head and
-    runs batched 1 x head_dim matmuls every decode step (18.6 ms against 2.5 ms per layer at
-    batch 64, 192 cached tokens, 8 heads / 4 KV heads, 1 CPU thread). For Transformer Engine's
-    attention it also keeps the left-padding mask, which TE would drop in decode steps
-    (`no_mask`; NOTES.md; unverified without a GPU). Swapped in only for a call, and only where
-    it is exact (no sliding window, no softmax offset)."""
-
-    def __init__(self, inner, scale: float):
-        super().__init__()
-        self.inner = inner  # restored after the call
-        self.scale = scale
-
-    @staticmethod
-    def scale_for(module, config):
-        """The softmax scale when `module` is a core attention this class reproduces, else None."""
-        name = type(module).__name__
-        if name == "DotProductAttention":  # megatron's local spec
-            if getattr(module, "softmax_offset", None) is None and module.scale_mask_softmax.window_size is None:
-                return module.softmax_scale * (module.scale_mask_softmax.scale or 1.0)
-        elif name == "TEDotProductAttention":
-            if (config.window_size is None and config.softmax_type == "vanilla"
-                    and not config.apply_query_key_layer_scaling):
-                return config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
-        return None
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        # query [sq, b, np, hn]; key, value [sk, b, ng, hn]; mask [b, 1, sq, sk] True = masked
-        if attention_bias is not None or packed_seq_params is not None:
-            return self.inner(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                              attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        sq, b, heads, hn = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
-        if attention_mask is None:  # megatron's default: causal when sq > 1
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=sq > 1, scale=self.scale, enable_gqa=heads != k.shape[1])
-        else:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=~attention_mask, scale=self.scale, enable_gqa=heads != k.shape[1])
-        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * hn)  # [sq, b, np * hn]
-
-
 class _inference_mode:
-    """eval() for the call (no dropout), sequence parallelism off (a 1-token decode step cannot
-    be split over TP), the local core attention swapped for _SDPAttention (fast_attention), and
-    all of it restored after: every module's train/eval flag, the SP setting, the modules."""
+    """eval() for the call (no dropout) and sequence parallelism off (a 1-token decode step
+    cannot be split over TP), both restored after: every module's train/eval flag, the SP setting."""
 
-    def __init__(self, chunks, gpt, fast_attention=True):
-        self.chunks, self.gpt, self.fast_attention = chunks, gpt, fast_attention
+    def __init__(self, chunks, gpt):
+        self.chunks, self.gpt = chunks, gpt
 
     def __enter__(self):
         self.modes = [(m, m.training) for c in self.chunks for m in c.modules()]
@@ -368,19 +322,9 @@ class _inference_mode:
         if self.sp:
             from megatron.core.transformer.utils import set_model_to_sequence_parallel
             set_model_to_sequence_parallel(self.gpt, False)
-        self.swapped = []
-        if self.fast_attention:
-            for m in self.gpt.modules():
-                inner = getattr(m, "core_attention", None)
-                scale = None if inner is None else _SDPAttention.scale_for(inner, self.gpt.config)
-                if scale is not None:
-                    m.core_attention = _SDPAttention(inner, scale)
-                    self.swapped.append(m)
         return self
 
     def __exit__(self, *exc):
-        for m in self.swapped:
-            m.core_attention = m.core_attention.inner
         if self.sp:
             from megatron.core.transformer.utils import set_model_to_sequence_parallel
             set_model_to_sequence_parallel(self.gpt, True)
