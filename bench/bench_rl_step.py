@@ -3,7 +3,8 @@
     python bench/bench_rl_step.py [--quick] [--steps 3] [--threads 1] [--hidden 512] [--ffn 1408]
                                   [--layers 8] [--heads 8] [--kv-heads 8] [--vocab 32000]
                                   [--prompts 8] [--samples 8] [--prompt-len 32] [--new-tokens 128]
-                                  [--micro-batch 8] [--beta 0.04] [--no-trl] [--profile]
+                                  [--micro-batch 8] [--beta 0.04] [--old-logprobs rollout|recompute]
+                                  [--no-trl] [--profile]
 
 One random Llama is built with transformers (default init, seeded) and saved with a 32k-word
 WordLevel tokenizer (ids are words "w<id>"; its chat template renders the bare prompt, so both
@@ -112,6 +113,7 @@ def build_megarl(args, model_dir: str, prompts_file: str, work: str):
         "rl.ppo_epochs=1", "rl.mini_batches=1", f"rl.micro_batch_size={args.micro_batch}",
         f"rl.kl_coef={args.beta}", "rl.kl_in=loss", "rl.kl_estimator=k3", "rl.clip_low=0.2", "rl.clip_high=0.2",
         "rl.loss_agg=token-mean", f"rl.reward_fn={os.path.abspath(__file__)}:reward",
+        f"rl.old_logprobs={args.old_logprobs}",
         "optim.lr=1e-6", "optim.weight_decay=0.0", "optim.clip_grad=1.0", "lr_schedule.style=constant",
         "train.precision=fp32", "train.seed=1", f"train.run_dir={work}", "tracking.backend=none",
         "checkpoint.save_interval=0"]
@@ -345,6 +347,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward/backward micro-batch")
     ap.add_argument("--beta", type=float, default=0.04, help="KL coefficient")
+    ap.add_argument("--old-logprobs", choices=("rollout", "recompute"), default="rollout",
+                    help="megarl's rl.old_logprobs; rollout matches TRL, which with 1 epoch x 1 mini-batch "
+                         "computes no old log-probs either")
     ap.add_argument("--no-trl", action="store_true", help="time megarl only")
     ap.add_argument("--trl-spec", default="trl==1.16.0", help="what pip installs into bench/.venv-trl")
     ap.add_argument("--profile", action="store_true", help="torch.profiler top ops of one more megarl step")

@@ -126,13 +126,19 @@ class ScalarHead(nn.Module):
 
 @functools.cache
 def gpt_model_class():
-    """megatron-core's GPTModel returning logits as a [b, s, V] VIEW of the output layer's [s, b, V].
+    """megatron-core's GPTModel returning logits as a [b, s, V] VIEW of the output layer's [s, b, V],
+    optionally for the columns `output_from:` only.
 
     GPTModel ends with `logits.transpose(0, 1).contiguous()`: a full copy of the logits in the
     forward, and a gradient that reaches the output layer non-contiguous, which its backward
     copies twice more. megarl's consumers (the fused log-prob op, `[rows, cols]` indexing, the
     scalar head's reads) take the strided view, and the fused op's gradient comes back in the
     logits' own memory order, so the output layer's backward gets a contiguous [s, b, V] grad.
+
+    `model(..., output_from=c)` runs the output layer on columns c: only (RL scores and trains
+    response tokens; the prompt columns' logits are never read): [b, s - c, V]. Without
+    sequence parallelism the hidden states are cut before the output layer (its GEMM and the
+    logits' memory shrink by the prompt's share); with it, the logits are cut after.
     Only the plain training/scoring call is changed; labels, MTP, inference contexts and the
     config logger take megatron's own path. Built lazily: importing megarl needs no megatron.
     """
@@ -140,15 +146,30 @@ def gpt_model_class():
     from megatron.core.models.gpt import GPTModel
 
     class MegarlGPTModel(GPTModel):
+        output_from = 0  # set for the duration of one forward call
+
+        def forward(self, *args, output_from: int = 0, **kw):
+            self.output_from = int(output_from)
+            try:
+                return super().forward(*args, **kw)
+            finally:
+                self.output_from = 0
+
         def _postprocess(self, hidden_states, *args, **kw):
+            c = self.output_from
             if (args or not self.post_process or kw.get("labels") is not None or kw.get("mtp_in_postprocess")
                     or kw.get("inference_context") is not None or kw.get("inference_params") is not None
                     or has_config_logger_enabled(self.config)):
-                return super()._postprocess(hidden_states, *args, **kw)
+                out = super()._postprocess(hidden_states, *args, **kw)
+                return out[:, c:] if c and self.post_process and torch.is_tensor(out) else out
+            cut_before = c and not self.config.sequence_parallel
+            if cut_before:
+                hidden_states = hidden_states[c:]  # [s - c, b, h]
             weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
             logits, _ = self.output_layer(hidden_states, weight=weight,
                                           runtime_gather_output=kw.get("runtime_gather_output"))
-            return logits.transpose(0, 1)  # [s, b, V/tp] -> [b, s, V/tp], no copy
+            logits = logits.transpose(0, 1)  # [s, b, V/tp] -> [b, s, V/tp], no copy
+            return logits[:, c:] if c and not cut_before else logits
 
     return MegarlGPTModel
 

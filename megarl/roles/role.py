@@ -24,7 +24,9 @@ from megarl.models.gpt import build_model
 from megarl.optim import build_optimizer, build_scheduler
 from megarl.runtime.distributed import broadcast_from_last_stage, dp_means
 
-Batch = dict  # tokens [b, s], position_ids [b, s], attention_mask [b, 1, s, s] or None, ...
+# tokens [b, s], position_ids [b, s], attention_mask [b, 1, s, s] or None, optional output_from
+# (an int c: the LM/scalar head runs on columns c: only, the output is [b, s - c, .]), ...
+Batch = dict
 LossFn = Callable[[Batch, torch.Tensor], tuple]
 
 
@@ -121,7 +123,8 @@ class Role:
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
-            output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **kwargs)
+            extra = {"output_from": batch["output_from"]} if batch.get("output_from") else {}
+            output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **kwargs, **extra)
             if collect:
                 return output, lambda out, non_loss_data=True: on_output(batch, out)
             return output, lambda out: on_output(batch, out)

@@ -61,15 +61,21 @@ class Experience:
     returns: torch.Tensor | None = None
 
     def microbatch(self, rows: list[int]) -> dict:
-        """Rows `rows`, cut to their longest sequence, as a Role micro-batch."""
+        """Rows `rows`, cut to their longest sequence, as a Role micro-batch.
+
+        The model's head runs only from the first column that predicts a response token
+        (`output_from`: no logits for the prompt prefix the rows share), so every per-token
+        field is given from that column on: [b, width - output_from]."""
         width = max(self.lengths[i] for i in rows)
         idx = torch.tensor(rows)
+        first = int(self.mask[idx, :width].int().argmax(1).min())  # earliest action column of these rows
         mb = {"tokens": self.tokens[idx, :width], "position_ids": torch.arange(width).expand(len(rows), width),
-              "attention_mask": None, "labels": self.labels[idx, :width], "mask": self.mask[idx, :width]}
+              "attention_mask": None, "output_from": first,
+              "labels": self.labels[idx, first:width], "mask": self.mask[idx, first:width]}
         for name in ("old_logp", "ref_logp", "values", "advantages", "returns"):
             value = getattr(self, name)
             if value is not None:
-                mb[name] = value[idx, :width]
+                mb[name] = value[idx, first:width]
         return mb
 
 
@@ -190,8 +196,9 @@ def collect_per_token(role: Role, exp: Experience, groups: list[list[int]], fn) 
     """A [N, L] fp32 tensor from `fn(batch, output) -> [b, s]` over every micro-batch (forward only)."""
     mbs = [exp.microbatch(g) for g in groups]
     out = torch.zeros(exp.tokens.shape, dtype=torch.float32)
-    for g, part in zip(groups, role.forward_collect(mbs, lambda b, o: fn(b, o).float().cpu())):
-        out[torch.tensor(g), : part.shape[1]] = part
+    for g, mb, part in zip(groups, mbs, role.forward_collect(mbs, lambda b, o: fn(b, o).float().cpu())):
+        c = mb["output_from"]
+        out[torch.tensor(g), c: c + part.shape[1]] = part
     return out
 
 
