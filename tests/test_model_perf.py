@@ -189,3 +189,41 @@ def test_cpu_launch_sets_the_allocator_only_for_cpu_runs():
     assert _allocator_env("export MEGARL_DEVICE=cuda") == "[]"
     bad = _allocator_env("export MEGARL_DEVICE=cpu MEGARL_CPU_MALLOC=jemalloc")
     assert bad.startswith("rc=2") and "MEGARL_CPU_MALLOC" in bad
+
+
+def _output_from_body(rank, world_size, sp):
+    from megarl.config import ParallelConfig
+    from megarl.models.gpt import build_model
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    init_distributed(world_size, 1, seed=3)
+    mc = _model_cfg()
+    pc = ParallelConfig(tp=world_size, sequence_parallel=sp)
+    batch = _batch(2)
+    out = {}
+    for head in ("lm", "scalar"):
+        model = build_model(mc, pc, head=head, seed=7)
+        full = model(batch["tokens"], batch["position_ids"], None)  # [b, s, .]
+        seen = {}
+        handle = model.output_layer.register_forward_hook(lambda m, a, r: seen.__setitem__("rows", a[0].shape[0]))
+        cut = model(batch["tokens"], batch["position_ids"], None, output_from=5)  # [b, s - 5, .]
+        handle.remove()
+        (cut.float() * torch.linspace(-1, 1, cut.shape[-1])).sum().backward()
+        out[head] = {"full": full.detach()[:, 5:].clone(), "cut": cut.detach().clone(), "head_rows": seen["rows"],
+                     "grad": next(model.parameters()).grad is not None}
+    teardown()
+    return out
+
+
+@pytest.mark.parametrize("world_size,sp", [(1, False), (2, False)])  # SP needs TE's norms (GPU)
+def test_output_from_runs_the_head_on_the_response_columns_only(world_size, sp):
+    """RL's micro-batches ask for outputs from the first response column (`output_from`): the
+    same numbers as the full forward's columns, and without SP the output layer sees only them."""
+    res = run_distributed(_output_from_body, world_size, sp)[0]
+    for head in ("lm", "scalar"):
+        r = res[head]
+        assert r["cut"].shape == r["full"].shape and r["cut"].shape[1] == SEQ - 5
+        torch.testing.assert_close(r["cut"], r["full"], rtol=1e-5, atol=1e-6)
+        assert r["grad"]
+    if not sp:
+        assert res["lm"]["head_rows"] == SEQ - 5  # hidden states cut before the LM head's GEMM
