@@ -45,30 +45,31 @@ def test_rope_matches_megatron_in_float64_and_its_gradient_is_the_inverse_rotati
     assert torch.autograd.gradcheck(lambda t: apply_rope(t, freqs, out_bnsd=True), (x,))
 
 
-def _parity_body(rank, world_size, precision, qk_norm):
+def _parity_body(rank, world_size, precision, qk_norm, impl="local"):
     from megarl.config import ParallelConfig
     from megarl.models.gpt import build_model
-    from megarl.runtime.distributed import init_distributed
+    from megarl.runtime.distributed import device, init_distributed
 
     init_distributed(1, 1, seed=3)
-    model = build_model(_model_cfg(qk_norm=qk_norm), ParallelConfig(), precision=precision, seed=7)
+    dev = device()
+    model = build_model(_model_cfg(qk_norm=qk_norm, transformer_impl=impl), ParallelConfig(), precision=precision, seed=7)
     assert sum(type(m).__name__ == "MegarlSelfAttention" for m in model.modules()) == 2  # one per layer
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (3, 20), generator=g)
-    pos = torch.arange(20).expand_as(tokens)
+    tokens = torch.randint(0, VOCAB, (3, 20), generator=g).to(dev)
+    pos = torch.arange(20, device=dev).expand_as(tokens)
     # packing-style block-diagonal causal mask (True = masked): two documents per row
     causal = torch.ones(20, 20, dtype=torch.bool).triu_(1)
     block = torch.zeros(20, 20, dtype=torch.bool)
     block[12:, :12] = True
-    packed = (causal | block)[None, None].expand(3, 1, 20, 20)
-    weights = torch.randn(3, 20, 128, generator=g)  # a random linear loss on the logits
+    packed = (causal | block)[None, None].expand(3, 1, 20, 20).to(dev)
+    weights = torch.randn(3, 20, 128, generator=g).to(dev)  # a random linear loss on the logits
 
     def run(mask):
         model.zero_grad(set_to_none=True)
         out = model(tokens, pos, mask)
         (out.float() * weights[..., : out.shape[-1]]).sum().backward()
-        grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
-        return out.detach().float().clone(), grads
+        grads = {n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()}
+        return out.detach().float().cpu().clone(), grads
 
     result = {}
     for name, mask in (("causal", None), ("packed", packed)):
@@ -79,9 +80,12 @@ def _parity_body(rank, world_size, precision, qk_norm):
     return result
 
 
-@pytest.mark.parametrize("precision,qk_norm", [("fp32", False), ("fp32", True), ("bf16", False)])
-def test_training_forward_and_gradients_equal_megatron_core_attention(precision, qk_norm):
-    res = run_distributed(_parity_body, 1, precision, qk_norm)[0]
+@pytest.mark.parametrize("precision,qk_norm,impl", [
+    ("fp32", False, "local"), ("fp32", True, "local"), ("bf16", False, "local"),
+    # on a GPU with Transformer Engine: TE's layers and core attention, megarl's RoPE around them
+    pytest.param("bf16", False, "auto", marks=pytest.mark.gpu)])
+def test_training_forward_and_gradients_equal_megatron_core_attention(precision, qk_norm, impl):
+    res = run_distributed(_parity_body, 1, precision, qk_norm, impl)[0]
     tol = dict(rtol=1e-5, atol=1e-5) if precision == "fp32" else dict(rtol=2e-2, atol=2e-2)
     for name, ((out, grads), (ref_out, ref_grads)) in res.items():
         assert not torch.equal(out, torch.zeros_like(out))
