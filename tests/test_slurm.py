@@ -3,6 +3,8 @@ launchers/slurm/megarl.sbatch -> srun -> torchrun per node (c10d rendezvous on n
 srun task per rank -> gloo across the two "nodes" -> MLflow through megarl.tracking. Plus
 pre-emption: `scontrol requeue` mid-run and SLURM's time-limit warning (SIGUSR1 to the batch
 script) must both end in a resumed job with the same final numbers as an uninterrupted run.
+The real trainers go through the same path: `megarl sft` and `megarl rl` (GRPO), each requeued
+mid-run and compared with an uninterrupted job.
 
 The workload is a stand-in trainer defined at the bottom of this file (run as
 `python tests/test_slurm.py standin ...`), which follows megarl's trainer contract: checkpoint at
@@ -262,10 +264,133 @@ def test_megarl_trainer_requeued_mid_run_resumes(cluster, workdir, trainer_basel
     assert_completed(cluster, info, log)
     assert int(info.get("Restarts", "0")) >= 1, f"the job was not requeued\n{log}"
     assert "resumed sft from" in log, log[-3000:]
+    assert "sft: pre-empted at step" in log, log[-3000:]  # the pre-emption checkpoint was written
     assert trainer_metrics(run_dir) == trainer_metrics(trainer_baseline)  # the same run, exactly
     run_id, losses = mlflow_losses(run_dir)
     assert sft_run_ids(run_dir) == [run_id], "the resumed job must continue the same MLflow run"
     assert losses == [m["train/loss"] for m in trainer_metrics(trainer_baseline)]
+
+
+# The RL stage through the same script: `megarl rl` (GRPO, actor + reference from a random
+# initialisation, the dense digits reward of tests/rl_rewards.py so that every step moves the
+# weights) on 2 nodes x 1 CPU rank (DP=2 over gloo), once uninterrupted and once requeued with
+# `scontrol requeue` after its first checkpoint. Both jobs run side by side.
+RL_STEPS, RL_SAVE_INTERVAL = 24, 4
+RL_ARGS = ("model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
+           "model.num_attention_heads=4", "model.num_kv_heads=2", "tracking.backend=none",
+           "train.log_interval=1", "train.eval_interval=0", "roles.actor.init_from=random",
+           "roles.reference.init_from=random", "rl.algorithm=grpo", "rl.prompts_per_step=4",
+           "rl.samples_per_prompt=4", "rl.max_new_tokens=8", "rl.micro_batch_size=8",
+           "rl.reward_fn=rl_rewards:digits", "rl.kl_coef=0.05", "optim.lr=1e-2",
+           f"train.steps={RL_STEPS}", f"checkpoint.save_interval={RL_SAVE_INTERVAL}")
+
+
+def submit_rl(cluster, workdir: Path, name: str) -> tuple[str, Path]:
+    run_dir = workdir / name
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    env = _job_env(PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]),  # rl_rewards
+                   OMP_NUM_THREADS="1")
+    job = cluster.submit(SBATCH, "rl", str(REPO / "configs" / "tiny_grpo.yaml"), f"train.run_dir={run_dir}",
+                         *RL_ARGS, sbatch_args=["-N", "2", "--ntasks-per-node=1", "--cpus-per-task=1",
+                                                f"--job-name={name}"], env=env, cwd=workdir)
+    return job, run_dir
+
+
+def rl_metrics(run_dir: Path) -> list[dict]:
+    """<run_dir>/rl/metrics.jsonl without the wall-clock figures (perf/), which no two runs repeat."""
+    from megarl_run import metrics
+
+    return metrics(str(run_dir / "rl"))
+
+
+def _rl_step_reached(run_dir: Path, step: int) -> bool:
+    try:
+        lines = (run_dir / "rl" / "metrics.jsonl").read_text().splitlines()
+        return any(json.loads(line).get("step", 0) >= step for line in lines if line.endswith("}"))
+    except (OSError, ValueError):
+        return False
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_megarl_rl_requeued_mid_run_resumes_bit_exact(cluster, workdir):
+    """`scontrol requeue` after the first checkpoint: SIGTERM to every process of the job ->
+    the ranks finish the step, write the pre-emption checkpoint and exit 75 -> SLURM requeues ->
+    the same command resumes from that checkpoint and ends with the uninterrupted job's metrics
+    and weights, bit for bit."""
+    import re
+
+    import torch
+    from megarl_run import final_weights
+
+    base_job, base_dir = submit_rl(cluster, workdir, "rl-baseline")
+    job, run_dir = submit_rl(cluster, workdir, "rl-requeued")
+    # Deterministic interruption point: the first periodic checkpoint is published and its step's
+    # metrics are written, so the SIGTERM of the requeue lands in the loop, after a checkpoint.
+    latest = run_dir / "rl" / "checkpoints" / "latest"
+    cluster.wait_for(lambda: latest.exists() and _rl_step_reached(run_dir, RL_SAVE_INTERVAL), timeout=180,
+                     what="the first RL checkpoint before the requeue")
+    assert cluster.job(job).get("Restarts", "0") == "0"
+    cluster.run("scontrol", "requeue", job)
+
+    info = cluster.wait(job, timeout=240)
+    log = job_log(workdir, "rl-requeued", job)
+    assert_completed(cluster, info, log)
+    base_info = cluster.wait(base_job, timeout=120)
+    base_log = job_log(workdir, "rl-baseline", base_job)
+    assert_completed(cluster, base_info, base_log)
+
+    # It really was interrupted mid-run and resumed from a checkpoint of that run.
+    assert int(info.get("Restarts", "0")) >= 1, f"the job was not requeued\n{log}"
+    assert log.count("[megarl] job") >= 2 and "restart 1" in log, log[-3000:]
+    stopped = re.findall(r"rl: pre-empted at step (\d+); checkpoint saved", log)
+    resumed = re.findall(r"resumed rl from \S+ \(step (\d+)\)", log)
+    assert stopped and resumed, log[-3000:]
+    assert "training exited 75" in log, log[-3000:]
+    assert RL_SAVE_INTERVAL <= int(resumed[0]) < RL_STEPS and resumed[0] == stopped[0], (stopped, resumed)
+    assert "resumed rl from" not in base_log and "restart 1" not in base_log
+
+    # ... and ended exactly like the uninterrupted job: every step's RL metrics and every tensor
+    # of the final checkpoint (weights and optimizer state).
+    expected = rl_metrics(base_dir)
+    assert [m["step"] for m in expected] == list(range(1, RL_STEPS + 1))
+    assert all(m["actor/grad_norm"] > 0 for m in expected) and any(m["kl/mean"] > 0 for m in expected)
+    assert rl_metrics(run_dir) == expected
+    for d in (base_dir, run_dir):
+        assert (d / "rl" / "checkpoints" / "latest").read_text().strip() == f"step_{RL_STEPS:08d}"
+    got, want = final_weights(run_dir / "rl"), final_weights(base_dir / "rl")
+    assert any(k.startswith("actor.") for k in want)
+    assert got.keys() == want.keys()
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+def _save_with_sigterm_to_every_process(rank, world, root):
+    import psutil
+
+    from megarl.checkpoint.distributed import latest_checkpoint, save_checkpoint
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    init_distributed(1, 1, seed=11)
+    save_checkpoint(root, 1, {}, {"n": 1})
+    helpers = psutil.Process().children(recursive=True)  # e.g. the checkpoint writer's queue server
+    for p in helpers:  # what slurmstepd does at a requeue: SIGTERM to every process of the step
+        os.kill(p.pid, signal.SIGTERM)
+    time.sleep(1)
+    save_checkpoint(root, 2, {}, {"n": 2})  # the pre-emption checkpoint, written after the signal
+    latest = latest_checkpoint(root)
+    teardown()
+    return len(helpers), latest
+
+
+def test_checkpoint_survives_sigterm_to_every_job_process(tmp_path):
+    """Without SLURM: the helper processes a checkpoint save leaves behind get SLURM's SIGTERM
+    too (it signals every process of the job step); the next save, the pre-emption checkpoint,
+    must still work."""
+    from dist_helpers import run_distributed
+
+    helpers, latest = run_distributed(_save_with_sigterm_to_every_process, 1, str(tmp_path / "ckpt"))[0]
+    assert helpers >= 1  # megatron-core's writer keeps a multiprocessing manager between saves
+    assert latest == str(tmp_path / "ckpt" / "step_00000002")
 
 
 def test_local_run_sh_preemption_and_resume(tmp_path):

@@ -111,6 +111,28 @@ def _fsync_tree(path: str) -> dict:
     return files
 
 
+def _signal_proof_write_queue() -> None:
+    """megatron-core's checkpoint writer returns its results through a queue served by a
+    multiprocessing manager process, started at the first save and kept for the next ones.
+    SLURM sends SIGTERM (requeue, pre-emption, scancel, time limit) and srun-forwarded signals to
+    every process of the job step, that server included, and it dies of it: the pre-emption
+    checkpoint written right after the signal then fails (BrokenPipeError) and the steps since
+    the last periodic checkpoint are lost. Start that server here, with SIGTERM and SIGUSR1
+    blocked (it already ignores SIGINT; SIGKILL still ends it)."""
+    import signal
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is not None:  # started, or not this megatron
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # megatron's own choice of context
+    manager.start(signal.pthread_sigmask, (int(signal.SIG_BLOCK), (int(signal.SIGTERM), int(signal.SIGUSR1))))
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -135,6 +157,7 @@ def save_checkpoint(root: str, step: int, roles: dict, state: dict, keep_last: i
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an earlier crash
         os.makedirs(tmp)
     barrier()
+    _signal_proof_write_queue()
     sd = _sharded_state_dict(roles, dict(state, step=step), _rng_state(), is_loading=False)
 
     shapes = {n: model_shape(r.model_cfg) for n, r in roles.items() if getattr(r, "model_cfg", None) is not None}
