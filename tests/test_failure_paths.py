@@ -277,6 +277,43 @@ def test_inputs_are_checked_before_the_run_dir_is_touched(tmp_path, capsys):
     _fails(["validate", "--config", "tiny_sft.yaml", *TINY, f"data.train_path={few}"], "has 3 records", capsys)
 
 
+# --------------------------------------------------------------------------- several processes
+
+
+def _run_sh(args, cwd):
+    """launchers/local/run.sh as the README shows it, with this tree's megarl (PYTHONPATH)."""
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "MEGARL_TORCHRUN_ARGS"):
+        env.pop(k, None)
+    return subprocess.run([os.path.join(repo, "launchers", "local", "run.sh"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_run_sh_finds_a_config_error_once_before_any_rank_starts(tmp_path):
+    """The README's multi-process way: a config mistake is one line and exit 2, before torchrun
+    starts (bare torchrun: every rank fails on it, torchrun reports ChildFailedError and exits 1)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cases = [
+        (["2", "sft", "configs/tiny_sft.yaml", "optim.lr=abc"],
+         "megarl: error: override 'optim.lr=abc': 'optim.lr' expects a float; got str 'abc'"),
+        (["2", "eval", "configs/tiny_grpo.yaml", "--checkpoint", "x=y", "rl.eval_samples=abc"],  # option values skipped
+         "megarl: error: override 'rl.eval_samples=abc': 'rl.eval_samples' expects an int; got str 'abc'"),
+        (["2", "rm", "configs/tiny_rm.yaml", f"train.run_dir={tmp_path}/run"],
+         f"megarl: error: reward_model.init_from=sft: no checkpoint at {tmp_path}/run/sft/checkpoints; run `megarl sft` "
+         "with the same train.run_dir first, or set reward_model.init_from=null"),
+        (["2", "train", "configs/tiny_sft.yaml"],  # the stage the old header example named
+         "megarl launcher: unknown stage 'train': expected sft, rm, rl, eval or pipeline (or -- COMMAND [ARGS ...])"),
+    ]
+    for args, line in cases:
+        out = _run_sh(args, repo)
+        assert (out.returncode, out.stderr.strip(), out.stdout) == (2, line, ""), (args, out.stderr)
+    assert os.listdir(tmp_path) == []  # nothing started, nothing written
+
+
 # --------------------------------------------------------------------------- noise
 
 

@@ -1,11 +1,11 @@
 """The `megarl` command.
 
-    megarl sft --config configs/tiny_sft.yaml optim.lr=1e-4 parallel.tp=2
+    megarl sft --config configs/tiny_sft.yaml optim.lr=1e-3 train.steps=100
     megarl rm  --config configs/tiny_rm.yaml
     megarl rl  --config configs/tiny_grpo.yaml
     megarl pipeline --config configs/tiny_pipeline.yaml [--stages rm,rl]
     megarl eval --config configs/tiny_grpo.yaml [--checkpoint runs/x/rl/checkpoints | --hf DIR]
-    megarl validate --config configs/x.yaml --world-size 8
+    megarl validate --config configs/x.yaml --world-size 8 [--stage sft|rm|rl|eval|pipeline]
     megarl preprocess --input data.jsonl --out shards/ --kind sft --config configs/x.yaml
     megarl synthetic --out data/
     megarl convert hf-to-megarl|megarl-to-hf ...
@@ -56,8 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check a config against a world size, without running")
     _config_args(p)
     p.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
-    p.add_argument("--stage", choices=["sft", "rm", "rl"], default=None,
-                   help="also check that stage's own rules (rl: batch split, sequence lengths, rewards)")
+    p.add_argument("--stage", choices=["sft", "rm", "rl", "eval", "pipeline"], default=None,
+                   help="also check that stage's own rules and inputs (rl, eval: batch split, sequence lengths, "
+                        "rewards; pipeline: a `megarl pipeline` config, every stage; default: a pipeline config "
+                        "is recognised by its 'stages' section)")
     p = sub.add_parser("preprocess", help="tokenize JSONL into numpy shards (for data.loader=dali)")
     p.add_argument("--input", required=True, help="JSONL file (SFT or preference records)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
@@ -95,14 +97,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+RULES = {"rl": "rl", "eval": "rl"}  # commands whose config has rules of its own (validate_config's stage)
+
+
 def _load(args):
     from megarl.config import load_config, validate_config
 
     cfg = load_config(args.config, args.overrides)
-    world = _world(args)
-    stage = getattr(args, "stage", None) or {"rl": "rl", "eval": "rl"}.get(args.command)
-    validate_config(cfg, world, stage=stage)
+    stage = args.stage if args.command == "validate" else args.command
+    validate_config(cfg, _world(args), stage=RULES.get(stage))
     return cfg
+
+
+def _is_pipeline_config(args) -> bool:
+    """`megarl validate --stage pipeline`, or no --stage and a config with a 'stages' section."""
+    if args.stage is not None:
+        return args.stage == "pipeline"
+    from megarl.config.loader import read_yaml
+    from megarl.config.shipped import resolve_config_path
+
+    return "stages" in read_yaml(resolve_config_path(args.config))
+
+
+def _validate_pipeline(args) -> None:
+    """Every stage's rules at this world size, and the inputs of its first stage (the later ones
+    start from the checkpoints the earlier ones write; `megarl pipeline` checks each at its start)."""
+    from megarl.config import ConfigError, validate_config
+    from megarl.trainers.data_setup import check_preflight
+    from megarl.trainers.pipeline import load_pipeline_config
+
+    configs = load_pipeline_config(args.config, args.overrides)
+    for stage, cfg in configs.items():
+        try:
+            validate_config(cfg, _world(args), stage=RULES.get(stage))
+        except ConfigError as e:
+            raise ConfigError(f"{args.config} (stage {stage}): {e}") from None
+    check_preflight(configs["sft"], "sft")
 
 
 def _world(args) -> int:
@@ -137,12 +167,12 @@ def run(args) -> int:
     if args.command == "validate":
         from megarl.trainers.data_setup import check_preflight
 
-        cfg = _load(args)
-        check_preflight(cfg, args.stage)  # data, tokenizer, starting checkpoint: what a run would hit first
-        world = _world(args)
+        if _is_pipeline_config(args):
+            _validate_pipeline(args)
+        else:  # data, tokenizer, starting checkpoint: what a run would hit first
+            check_preflight(_load(args), args.stage)
         source = "--world-size" if args.world_size is not None else "$WORLD_SIZE or 1"
-        print(f"{args.config}: valid for world size {world} ({source})")
-        del cfg
+        print(f"{args.config}: valid for world size {_world(args)} ({source})")
         return 0
     if args.command == "preprocess":
         from megarl.config import load_config
