@@ -74,6 +74,8 @@ def apply_rope(x: Tensor, freqs: Tensor, *, out_bnsd: bool = False) -> Tensor:
     h = x.shape[-1] // 2
     half = freqs[..., :h]
     cos, sin = torch.cos(half).to(x.dtype), torch.sin(half).to(x.dtype)
+    if not (torch.is_grad_enabled() and x.requires_grad):  # scoring, generation: no autograd node
+        return _rotate(x, cos, sin, out_bnsd)
     return _Rope.apply(x, cos, sin, out_bnsd)
 
 
