@@ -3,9 +3,10 @@
 The model that trains is the model that samples: no weight copy, no second engine. One prefill
 over left-padded prompts (explicit [b, 1, sq, sk] mask), then one token per step with
 megatron-core's `StaticInferenceContext` holding the KV cache, which megarl's attention module
-fills with keys after RoPE, in a [B, g, S, d] layout (models/attention.py). megatron-core's own engines do
-not fit RL on CPU (NOTES.md): the dynamic one needs CUDA kernels, the legacy static one samples
-padded-vocabulary ids, ignores the temperature in its log-probs and seeds every rank alike.
+fills with keys after RoPE, in a [B, g, S, d] layout (models/attention.py). megatron-core's own
+engines do not fit RL on CPU (NOTES.md): the dynamic one needs CUDA kernels, the legacy static
+one samples padded-vocabulary ids, ignores the temperature in its log-probs and seeds every
+rank alike.
 
 Layouts. TP: the output layer gathers the logits over TP (`runtime_gather_output`), so every TP
 rank holds the same full logits and draws the same token from the same counter-based uniform,
