@@ -16,7 +16,8 @@ The parameters, their names and the qkv/proj layers are megatron-core's (`linear
 and the optimizer see no difference. Only the maths in between is ours, and it is exact
 (tests compare it with megatron-core's own path and with Hugging Face transformers). Cases this
 module does not cover (packed THD sequences, cross attention, context parallel, output gates,
-flash decode, dynamic batching, interleaved or partial RoPE, YaRN) go to megatron-core's
+flash decode, dynamic batching, interleaved or partial RoPE, sliding windows, softmax offsets;
+megarl's models use plain RoPE, not YaRN) go to megatron-core's
 `SelfAttention.forward` unchanged in training; generation needs this module's cache and says
 so in one line for them.
 """
@@ -40,7 +41,6 @@ class _Rope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, out_bnsd: bool):
         ctx.save_for_backward(cos, sin)
-        ctx.out_bnsd = out_bnsd
         return _rotate(x, cos, sin, out_bnsd)
 
     @staticmethod
@@ -95,13 +95,13 @@ def self_attention_class():
     from megatron.core.transformer.enums import AttnMaskType
 
     class MegarlSelfAttention(SelfAttention):
-        def _own_path(self, key_value_states, rotary_pos_emb, rotary_pos_cos, attention_bias, packed_seq_params) -> bool:
+        def _own_path(self, key_value_states, freqs, rotary_pos_cos, attention_bias, packed_seq_params) -> bool:
             c = self.config
             return (key_value_states is None and attention_bias is None and packed_seq_params is None
                     and rotary_pos_cos is None and c.context_parallel_size == 1 and not c.attention_output_gate
                     and not c.flash_decode and not c.rotary_interleaved and not c.multi_latent_attention
                     and c.window_size is None and c.softmax_type == "vanilla"
-                    and (rotary_pos_emb is None or _full_rotary(rotary_pos_emb, self.hidden_size_per_attention_head)))
+                    and (freqs is None or freqs.shape[-1] == self.hidden_size_per_attention_head))
 
         def _softmax_scale(self, head_dim: int) -> float:
             """The scale megatron's core attention applies in all (its local one splits it between
@@ -115,7 +115,8 @@ def self_attention_class():
                     rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
                     attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
             inference_context = inference_context if inference_context is not None else inference_params
-            own = self._own_path(key_value_states, rotary_pos_emb, rotary_pos_cos, attention_bias, packed_seq_params)
+            freqs = rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb  # [S, 1, 1, d]
+            own = self._own_path(key_value_states, freqs, rotary_pos_cos, attention_bias, packed_seq_params)
             if inference_context is not None and not (own and inference_context.is_static_batching()):
                 raise NotImplementedError(
                     "megarl generates with its own KV cache (megarl.models.attention): this attention "
@@ -126,8 +127,7 @@ def self_attention_class():
                                        rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin,
                                        attention_bias, packed_seq_params, sequence_len_offset)
             if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
-                rotary_pos_emb = None
-            freqs = rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb  # [S, 1, 1, d]
+                freqs = None
 
             query, key, value = self.get_query_key_value_tensors(hidden_states, None)  # [s, b, n|g, d]
             if inference_context is None:
@@ -182,8 +182,3 @@ def self_attention_class():
             return out.permute(2, 0, 1, 3).reshape(sq, b, n * d)
 
     return MegarlSelfAttention
-
-
-def _full_rotary(rotary_pos_emb, head_dim: int) -> bool:
-    freqs = rotary_pos_emb[0] if isinstance(rotary_pos_emb, tuple) else rotary_pos_emb
-    return freqs.shape[-1] == head_dim
