@@ -112,6 +112,28 @@ def test_write_dataset_files_split_and_loaders(tmp_path):
     assert prompts[0]["answer"] == read(paths["test_prompts.jsonl"])[0]["answer"]
 
 
+def test_sft_mistakes_noisy_train_demonstrations_only(tmp_path):
+    """sft_mistakes: that share of the train split's demonstrations carry one mistake of the
+    `rejects` kind (the answer is wrong, the shape is kept); the held-out split, the preference
+    pairs and the prompts are the same bytes as without it."""
+    clean = write_synthetic_dataset(str(tmp_path / "clean"), SyntheticConfig(n_train=600, n_test=50), seed=4)
+    noisy = write_synthetic_dataset(str(tmp_path / "noisy"), SyntheticConfig(n_train=600, n_test=50, sft_mistakes=0.3),
+                                    seed=4)
+    for name in synthetic.FILES:
+        if name != "train_sft.jsonl":
+            assert open(clean[name]).read() == open(noisy[name]).read(), name
+    prompts = read(noisy["train_prompts.jsonl"])
+    demos = [r["messages"][1]["content"] for r in read(noisy["train_sft.jsonl"])]
+    wrong = [not is_correct(d, p["answer"]) for d, p in zip(demos, prompts)]
+    assert 0.25 < sum(wrong) / len(wrong) < 0.35
+    for d, r, w in zip(demos, read(clean["train_sft.jsonl"]), wrong):
+        right = r["messages"][1]["content"]
+        assert (d != right) == w and d.count("\n") == right.count("\n")  # the same lines
+    assert json.load(open(os.path.join(tmp_path, "noisy", "meta.json")))["difficulty"]["sft_mistakes"] == 0.3
+    with pytest.raises(DataError, match="sft_mistakes"):
+        generate_problems(5, 0, task=SyntheticConfig(sft_mistakes=1.0))
+
+
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     def boom(*args):
         raise RuntimeError("disk full")

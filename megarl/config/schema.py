@@ -126,6 +126,7 @@ class SyntheticConfig:
     ops: str = "+-"         # any of "+-*"
     max_factor: int = 3
     rejects: Literal["operand", "slip"] = "operand"  # the preference pairs' kind of mistake
+    sft_mistakes: float = 0.0  # share of train SFT demonstrations with one mistake of that kind (a noisy teacher)
 
 
 @dataclass

@@ -49,6 +49,8 @@ def check_task(task: SyntheticConfig) -> SyntheticConfig:
         raise DataError("synthetic task needs max_operand >= 1 and max_factor >= 2")
     if not task.ops or set(task.ops) - set(PHRASES):
         raise DataError(f"synthetic task ops must be a non-empty subset of '+-*', got {task.ops!r}")
+    if not 0.0 <= task.sft_mistakes < 1.0:
+        raise DataError(f"synthetic task needs 0 <= sft_mistakes < 1, got {task.sft_mistakes}")
     if task.rejects not in REJECTS:
         raise DataError(f"synthetic task rejects must be one of {', '.join(REJECTS)}, got {task.rejects!r}")
     return task
@@ -143,13 +145,19 @@ def generate_problems(n: int, seed: int, task: SyntheticConfig | None = None) ->
                     f"raise max_operand or max_ops")
 
 
-def records(problems: list[Problem], seed: int, d: SyntheticConfig | None = None) -> dict[str, list[dict]]:
-    """The three views of a split: SFT conversations, preference pairs, RL prompts with answers."""
+def records(problems: list[Problem], seed: int, d: SyntheticConfig | None = None,
+            mistakes: float = 0.0) -> dict[str, list[dict]]:
+    """The three views of a split: SFT conversations, preference pairs, RL prompts with answers.
+
+    `mistakes`: the share of SFT demonstrations that get one mistake of the `d.rejects` kind, drawn
+    from a generator of their own so that the pairs do not depend on it.
+    """
     d = d or SyntheticConfig()
-    rng = random.Random(seed)
+    rng, noisy = random.Random(seed), random.Random(seed + 7919)
+    demos = [wrong_solution(p, noisy, d) if noisy.random() < mistakes else p.solution for p in problems]
     return {
         "sft": [{"messages": [{"role": "user", "content": p.question},
-                              {"role": "assistant", "content": p.solution}]} for p in problems],
+                              {"role": "assistant", "content": demo}]} for p, demo in zip(problems, demos)],
         "prefs": [{"prompt": p.question, "chosen": p.solution, "rejected": wrong_solution(p, rng, d)}
                   for p in problems],
         "prompts": [{"prompt": p.question, "answer": str(p.answer)} for p in problems],
@@ -168,7 +176,8 @@ def write_synthetic_dataset(out_dir: str, task: SyntheticConfig, seed: int) -> d
     splits = {"train": problems[n_test:], "test": problems[:n_test]}
     with atomic_directory(out_dir, last=("meta.json",)) as tmp:
         for split, probs in splits.items():
-            for view, rows in records(probs, seed + (split == "test"), task).items():
+            mistakes = task.sft_mistakes if split == "train" else 0.0  # held-out demonstrations stay right
+            for view, rows in records(probs, seed + (split == "test"), task, mistakes).items():
                 with open(os.path.join(tmp, f"{split}_{view}.jsonl"), "w") as f:
                     f.writelines(json.dumps(r) + "\n" for r in rows)
         meta = {"task": "synthetic_arithmetic", "seed": seed, "n_train": n_train, "n_test": n_test,

@@ -70,7 +70,8 @@ def _synthetic_task(cfg: Config, out: str) -> None:
         meta = json.load(f)
     want = {"seed": seed, "n_train": syn.n_train, "n_test": syn.n_test, "difficulty": difficulty(syn)}
     have = {k: meta.get(k) for k in want}
-    have["difficulty"] = {"rejects": "slip", **(have["difficulty"] or {})}  # written before rejects existed
+    # written before rejects / sft_mistakes existed
+    have["difficulty"] = {"rejects": "slip", "sft_mistakes": 0.0, **(have["difficulty"] or {})}
     if have != want:
         diff = [f"{k}={have[k]}" for k in want if have[k] != want[k] and k != "difficulty"]
         diff += [f"synthetic.{k}={v}" for k, v in have["difficulty"].items() if want["difficulty"].get(k) != v]
