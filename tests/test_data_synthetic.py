@@ -162,8 +162,9 @@ def test_run_dir_task_is_written_once_and_guarded(tmp_path):
 
 
 def test_cli_synthetic_defaults_write_the_stages_task(tmp_path):
-    """`megarl synthetic` with no flags writes, byte for byte, the task a stage run with the
-    default config writes to <run_dir>/data (same schema, same seed); a flag changes it."""
+    """`megarl synthetic` writes, byte for byte, the task a stage run with the same config writes
+    to <run_dir>/data (same schema, same seed); without --config the flags set the same task; a
+    flag changes it."""
     from megarl_run import megarl
 
     from megarl.config import load_config
@@ -171,11 +172,14 @@ def test_cli_synthetic_defaults_write_the_stages_task(tmp_path):
 
     stage_dir = tmp_path / "stage"
     _synthetic_task(load_config("configs/tiny_sft.yaml"), str(stage_dir))
-    megarl(["synthetic", "--out", str(tmp_path / "cli")])
+    megarl(["synthetic", "--out", str(tmp_path / "cli"), "--config", "configs/tiny_sft.yaml"])
+    megarl(["synthetic", "--out", str(tmp_path / "flags"), "--sft-mistakes", "0.3"])  # tiny_sft's
     megarl(["synthetic", "--out", str(tmp_path / "other"), "--seed", "7"])
+    megarl(["synthetic", "--out", str(tmp_path / "clean"), "--config", "configs/tiny_sft.yaml", "--sft-mistakes", "0"])
     for name in (*synthetic.FILES, "meta.json"):
         stage = (stage_dir / name).read_bytes()
-        assert (tmp_path / "cli" / name).read_bytes() == stage, name
+        assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "flags" / name).read_bytes() == stage, name
         assert (tmp_path / "other" / name).read_bytes() != stage, name
+        assert ((tmp_path / "clean" / name).read_bytes() == stage) == (name not in ("train_sft.jsonl", "meta.json"))
     out = megarl(["synthetic", "--out", str(tmp_path / "bad"), "--n-train", "-5"], check=False)
     assert out.returncode == 2 and "n_train >= 1" in out.stderr and not (tmp_path / "bad").exists()

@@ -148,6 +148,18 @@ def test_resume_continues_same_run_and_keeps_changed_params(tmp_path, store_uri)
     assert json.loads(run.data.tags["megarl.changed_params"]) == {"optim.lr": ["0.1", "0.05"]}
 
 
+def test_scale_panels_keep_small_series_readable():
+    from megarl.tracking.report import scale_panels
+
+    def series(*peaks):
+        return {f"m{i}": ([0, 1], [p / 2, p]) for i, p in enumerate(peaks)}
+
+    assert scale_panels(series(0.4, 0.9, 17.0)) == [["m0", "m1"], ["m2"]]
+    assert scale_panels(series(0.5, 3.0, 40.0, 300.0)) == [["m0", "m1"], ["m2", "m3"]]
+    assert scale_panels(series(0.0, 0.2, -0.8)) == [["m0", "m1", "m2"]]  # zeros and signs: one scale
+    assert scale_panels({"a": ([0], [float("nan")]), "b": ([0], [1.0])}) == [["a", "b"]]
+
+
 def test_nested_runs_and_report(tmp_path, store_uri):
     pipe = Tracker.start(tmp_path / "pipe", {"pipeline": "sft,rl"}, uri=store_uri, run_name="pipeline", **FAST)
     sft = Tracker.start(tmp_path / "pipe" / "sft", {"optim": {"lr": 1e-5}}, parent=pipe, run_name="sft", **FAST)
@@ -157,6 +169,8 @@ def test_nested_runs_and_report(tmp_path, store_uri):
         sft.log_metrics({"train/loss": 2.0 * math.exp(-s / 5), "train/lr": 1e-5 * min(1, s / 5),
                          "train/grad_norm": 1.0 + 0.1 * s}, step=s)
         rl.log_metrics({"rl/reward_mean": s / 20, "rl/kl": 0.01 * s}, step=s)
+        if s % 10 == 0:
+            rl.log_metrics({"eval/pass_1": 0.4 + s / 100, "eval/response_len": 17.0 + s / 10}, step=s)
         if s % 5 == 4:
             sft.log_metrics({"eval/loss": 2.0 * math.exp(-s / 6), "eval/accuracy": s / 20}, step=s)
     pipe.log_metrics({"pipeline/stage": 2}, step=0)
@@ -175,6 +189,7 @@ def test_nested_runs_and_report(tmp_path, store_uri):
 
     img = imread(out / "sft__loss.png")
     assert img.shape[0] > 100 and img.shape[1] > 100 and img.std() > 0.01  # a real, non-blank plot
+    assert imread(out / "rl__eval.png").shape[0] > img.shape[0]  # pass@1 and lengths: two panels
     md = report.read_text()
     assert pipe.run_id in md and sft.run_id in md and "![loss](sft__loss.png)" in md
     assert "| `eval/accuracy` | 0.95 (step 19) | 0.95 (step 19) | 4 |" in md

@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="default: data.seed, else train.seed (as the stages)")
     p.add_argument("--rejects", choices=["operand", "slip"], default=None,
                    help="the preference pairs' kind of mistake (default: data.synthetic.rejects)")
+    p.add_argument("--sft-mistakes", type=float, default=None,
+                   help="share of train SFT demonstrations with one such mistake (default: data.synthetic.sft_mistakes)")
     _config_args(p, required=False)
     p = sub.add_parser("convert", help="Hugging Face <-> megarl weights")
     conv = p.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
@@ -194,7 +196,8 @@ def run(args) -> int:
         if os.path.exists(args.out) and not os.path.isdir(args.out):
             raise ConfigError(f"--out {args.out}: is a file, not a directory")
         cfg = load_config(args.config, args.overrides)
-        flags = {"n_train": args.n_train, "n_test": args.n_test, "rejects": args.rejects}
+        flags = {"n_train": args.n_train, "n_test": args.n_test, "rejects": args.rejects,
+                 "sft_mistakes": args.sft_mistakes}
         task = dataclasses.replace(cfg.data.synthetic, **{k: v for k, v in flags.items() if v is not None})
         seed = data_seed(cfg) if args.seed is None else args.seed
         files = write_synthetic_dataset(args.out, check_task(task), seed)

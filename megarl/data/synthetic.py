@@ -15,6 +15,10 @@ Either way the error reaches the final answer and the solution keeps its shape. 
 harder pairs for a reward model, which has to redo the arithmetic: the quickstart's 4-layer,
 hidden-128 RM reaches 0.80 held-out pair accuracy on them after 800 steps, where operand
 pairs reach 0.99 (docs/benchmarks.md, "Reward model on the synthetic pairs").
+`sft_mistakes` puts the same kind of mistake into that share of the train split's SFT
+demonstrations (a noisy teacher, as real SFT data has one): the SFT model then samples such
+mistakes at temperature 1, and RL with the rule reward or the RM has room to remove them (the
+tiny recipes use 0.3; docs/benchmarks.md, "RL on the synthetic task").
 """
 import json
 import os

@@ -49,19 +49,42 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
+def scale_panels(series: dict[str, tuple[list, list]], ratio: float = 10.0) -> list[list[str]]:
+    """Keys of `series` grouped into panels of like magnitude, smallest first: a key whose peak
+    |value| is over `ratio` times its panel's smallest peak opens a new panel, so that pass@1
+    (<= 1) is not flattened by a response length of 17 on the same axis."""
+    def peak(key):
+        finite = [abs(v) for v in series[key][1] if v is not None and math.isfinite(v)]
+        return max(finite, default=0.0)
+
+    panels, floor = [[]], 0.0  # floor: the smallest nonzero peak of the last panel
+    for key in sorted(series, key=lambda k: (peak(k), k)):
+        p = peak(key)
+        if floor and p > ratio * floor:
+            panels.append([])
+            floor = 0.0
+        floor = floor or p
+        panels[-1].append(key)
+    return [sorted(keys) for keys in panels]
+
+
 def _plot_family(path: Path, title: str, series: dict[str, tuple[list, list]]) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4), dpi=100)
+    panels = scale_panels(series)
+    fig = Figure(figsize=(7, 1.0 + 3.0 * len(panels)), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    for key, (steps, values) in sorted(series.items()):
-        ax.plot(steps, values, label=key, marker="o" if len(steps) < 20 else None, markersize=3)
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    for i, keys in enumerate(panels):
+        ax = fig.add_subplot(len(panels), 1, i + 1)
+        for key in keys:
+            steps, values = series[key]
+            ax.plot(steps, values, label=key, marker="o" if len(steps) < 20 else None, markersize=3)
+        if i == 0:
+            ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     fig.savefig(path)
 
