@@ -109,6 +109,7 @@ PLACEHOLDERS = {
     "R": "runs/quickstart",  # docs/benchmarks.md: the run dir of the commands above
     "R2": "runs/r2",
     "N": "300", "S": "30", "E": "10",  # step counts and intervals (values the docs used)
+    "M": "0.3", "LR": "6e-5",  # docs/benchmarks.md: sft_mistakes and an RL lr of its tables
     "/models/Qwen2-0.5B": "models/Qwen2-0.5B",  # a tiny Qwen2 saved with transformers (_hf_qwen2)
 }
 STEP_DIRS = {"step_0000XXXX": "step_00000002", "step_00000400": "step_00000002"}  # the shared SFT's checkpoint
@@ -426,6 +427,13 @@ COMMANDS = {
         (Validate(needs=("rm",)),),
     "megarl eval --config configs/tiny_grpo.yaml train.run_dir=R tracking.backend=none --checkpoint R/rl/checkpoints":
         (Validate(), Files(("runs/quickstart/rl/checkpoints/latest",), needs=("grpo",))),
+    "megarl pipeline --config configs/tiny_pipeline.yaml --stages sft train.run_dir=R data.synthetic.sft_mistakes=M":
+        (Validate(),),
+    "megarl pipeline --config configs/tiny_pipeline.yaml --stages rl train.run_dir=R data.synthetic.sft_mistakes=M "
+    "[stages.rl.optim.lr=LR stages.rl.train.steps=S]": (Validate(),),
+    "megarl pipeline --config configs/tiny_pipeline.yaml --stages sft,rl train.run_dir=R train.seed=4321": (Validate(),),
+    "megarl rl --config configs/tiny_ppo.yaml train.run_dir=R train.steps=40 train.eval_interval=20 rl.eval_prompts=200":
+        (Validate(needs=("rm",)),),
 }
 
 
