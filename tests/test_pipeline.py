@@ -112,7 +112,7 @@ def test_pipeline_config_sections_and_overrides(tmp_path):
 
     cfgs = load_pipeline_config("configs/tiny_pipeline.yaml",
                                 ["train.run_dir=/tmp/p", "stages.rl.optim.lr=2e-5", "optim.weight_decay=0.2"])
-    assert (cfgs["sft"].train.steps, cfgs["rm"].train.steps, cfgs["rl"].train.steps) == (600, 500, 60)
+    assert (cfgs["sft"].train.steps, cfgs["rm"].train.steps, cfgs["rl"].train.steps) == (600, 300, 60)
     assert cfgs["rl"].optim.lr == 2e-5 and cfgs["sft"].optim.lr == 3e-3
     # a stage section sets its own weight decay; the shared override reaches the others' unset fields
     assert cfgs["rl"].optim.weight_decay == 0.0 and cfgs["sft"].optim.weight_decay == 0.01
