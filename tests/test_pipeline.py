@@ -106,6 +106,23 @@ def test_python_api_docstring_example_runs(tmp_path):
     assert (tmp_path / "runs" / "notebook" / "rl" / "metrics.jsonl").exists()
 
 
+def test_pipeline_stages_are_the_tiny_recipes():
+    """tiny_pipeline.yaml repeats tiny_sft/tiny_rm/tiny_grpo's values (its header says so); the
+    two RL differences are the ones its comments give. A recipe edited in one place only fails here."""
+    from dataclasses import asdict
+
+    from megarl.config import load_config
+    from megarl.trainers.pipeline import load_pipeline_config
+
+    stages = load_pipeline_config("configs/tiny_pipeline.yaml", [])
+    for stage, recipe, differ in (("sft", "tiny_sft", {}), ("rm", "tiny_rm", {}),
+                                  ("rl", "tiny_grpo", {"eval_prompts": (200, 64), "old_logprobs": ("rollout", "recompute")})):
+        mine, theirs = asdict(stages[stage]), asdict(load_config(f"configs/{recipe}.yaml"))
+        assert {k: (mine["rl"][k], theirs["rl"][k]) for k in mine["rl"] if mine["rl"][k] != theirs["rl"][k]} == differ
+        mine["rl"], theirs["rl"] = {}, {}
+        assert mine == theirs, stage
+
+
 def test_pipeline_config_sections_and_overrides(tmp_path):
     from megarl.config import ConfigError
     from megarl.trainers.pipeline import load_pipeline_config
