@@ -36,10 +36,12 @@ def test_sft_learns_and_leaves_a_complete_run_dir(tmp_path):
 
 
 # One-operation problems and a tiny model keep this to ~1.5 min on one thread; the full task is
-# the quickstart's (0.99 held-out, docs/benchmarks.md). 192 test pairs = 6 eval batches of 32.
-EASY_PAIRS = ("data.synthetic.max_ops=1", "data.synthetic.n_test=192", "data.seq_length=96",
-              "data.micro_batch_size=32", "data.global_batch_size=32", "model.ffn_hidden_size=176",
-              "checkpoint.save_interval=0")
+# the quickstart's (docs/benchmarks.md). 192 test pairs = 6 eval batches of 32. Clean SFT
+# demonstrations (base.yaml's noisy teacher is for the RL stage): from the noisy SFT the same RM
+# reached only 0.56 / 0.83 / 0.93 at steps 100-300 (2026-11-25), a thin margin over 0.9.
+EASY_PAIRS = ("data.synthetic.max_ops=1", "data.synthetic.n_test=192", "data.synthetic.sft_mistakes=0",
+              "data.seq_length=96", "data.micro_batch_size=32", "data.global_batch_size=32",
+              "model.ffn_hidden_size=176", "checkpoint.save_interval=0")
 
 
 def test_reward_model_ranks_held_out_pairs_above_90_percent(tmp_path):
