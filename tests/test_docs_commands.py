@@ -450,7 +450,9 @@ def work(tmp_path_factory):
     for name, base, own in (("my_grpo", "tiny_grpo", ""), ("my_rm", "tiny_rm", ""),
                             ("my_sft", "tiny_sft", "optim: {min_lr: 1.0e-6}\n")):  # the docs' lr=1e-5 is below tiny_sft's min_lr
         (w / "configs" / f"{name}.yaml").write_text(f"extends: {base}.yaml\n{own}")
-    (w / "my_check.py").write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    # one write per rank: print(a, b, ...) writes each piece on its own, and the two ranks' pieces
+    # interleaved on the shared unbuffered stdout ("rankrank  01  ofof  22")
+    (w / "my_check.py").write_text("import os\nprint(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}\")\n")
     _RUNS.clear()
     _RAN.clear()
     return w
