@@ -79,6 +79,9 @@ def _rl_rules(cfg: Config, world_size: int, cuda: bool) -> list[str]:
             errs.append(f"rl.{name} must be >= 1, got {getattr(r, name)}")
     if errs:
         return errs
+    if cfg.parallel.cp > 1:  # whatever TE offers: the rollout's attention has no CP path
+        errs.append(f"parallel.cp={cfg.parallel.cp}: the rl and eval stages generate, and generation (megarl's KV-cache "
+                    "attention) does not split the sequence over context-parallel ranks; set parallel.cp=1")
     if r.prompts_per_step % dp:
         errs.append(f"rl.prompts_per_step ({r.prompts_per_step}) must be divisible by the data-parallel size ({dp})")
     elif (r.prompts_per_step // dp * r.samples_per_prompt) % r.mini_batches:
