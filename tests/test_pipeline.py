@@ -127,16 +127,34 @@ def test_pipeline_config_sections_and_overrides(tmp_path):
     from megarl.config import ConfigError
     from megarl.trainers.pipeline import load_pipeline_config
 
-    cfgs = load_pipeline_config("configs/tiny_pipeline.yaml",
-                                ["train.run_dir=/tmp/p", "stages.rl.optim.lr=2e-5", "optim.weight_decay=0.2"])
+    cfgs = load_pipeline_config("configs/tiny_pipeline.yaml", ["train.run_dir=/tmp/p", "stages.rl.optim.lr=2e-5"])
     assert (cfgs["sft"].train.steps, cfgs["rm"].train.steps, cfgs["rl"].train.steps) == (600, 300, 60)
     assert cfgs["rl"].optim.lr == 2e-5 and cfgs["sft"].optim.lr == 3e-3
-    # a stage section sets its own weight decay; the shared override reaches the others' unset fields
-    assert cfgs["rl"].optim.weight_decay == 0.0 and cfgs["sft"].optim.weight_decay == 0.01
     assert all(c.train.run_dir == "/tmp/p" for c in cfgs.values())
+    # A shared override reaches every stage, also those whose section sets the key (steps, weight
+    # decay: all three do); a stage override wins over it in either order.
+    for overrides in (["train.steps=5", "optim.weight_decay=0.2", "stages.rl.train.steps=7"],
+                      ["stages.rl.train.steps=7", "train.steps=5", "optim.weight_decay=0.2"]):
+        cfgs = load_pipeline_config("configs/tiny_pipeline.yaml", overrides)
+        assert {s: c.train.steps for s, c in cfgs.items()} == {"sft": 5, "rm": 5, "rl": 7}, overrides
+        assert {c.optim.weight_decay for c in cfgs.values()} == {0.2}
+        assert cfgs["rm"].optim.lr == 1e-3 and cfgs["rl"].train.eval_interval == 30  # the rest is untouched
     with pytest.raises(ConfigError, match=r"stages.rl: tokenizer .* differs"):
         load_pipeline_config("configs/tiny_pipeline.yaml", ["stages.rl.tokenizer.kind=hf"])
     with pytest.raises(ConfigError, match=r"expected stages.<sft\|rm\|rl>"):
         load_pipeline_config("configs/tiny_pipeline.yaml", ["stages.ppo.optim.lr=1"])
     with pytest.raises(ConfigError, match=r"unknown key 'optim.lrr'"):
         load_pipeline_config("configs/tiny_pipeline.yaml", ["stages.sft.optim.lrr=1"])
+
+
+def test_pipeline_checks_every_stage_before_the_first_step(tmp_path):
+    """A rule broken in a later stage (RM warm-up >= its steps) stops the pipeline before SFT
+    trains, in one message that names the stage, as `megarl validate` does."""
+    for args in (pipeline_args(tmp_path / "run", "stages.rm.lr_schedule.warmup_steps=5"),
+                 ["validate", "--config", "configs/tiny_pipeline.yaml", *TINY, "stages.rm.lr_schedule.warmup_steps=5"]):
+        out = subprocess.run(command(args), capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
+        assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+        assert "configs/tiny_pipeline.yaml (stage rm): invalid config:" in out.stderr, out.stderr[-2000:]
+        assert "lr_schedule.warmup_steps (5) must be in [0, decay steps (2))" in out.stderr
+        assert "Traceback" not in out.stderr
+    assert not (tmp_path / "run" / "sft").exists()

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p = sub.add_parser("pipeline", help="SFT -> reward model -> RL in one run dir from one config",
                        description="Shared sections apply to every stage; stages.<sft|rm|rl> hold each stage's own "
-                                   "values. Overrides: key=value (shared) or stages.<stage>.key=value.")
+                                   "values. Overrides: key=value sets the key in every stage (over the stage sections' values); "
+                                   "stages.<stage>.key=value sets one stage and wins over a shared one.")
     p.add_argument("--stages", default="sft,rm,rl", help="comma-separated subset, in pipeline order (default: all)")
     _config_args(p)
     p = sub.add_parser("eval", help="pass@1 / pass@k / mean@k of a model on held-out prompts (sampled)")
@@ -124,16 +125,11 @@ def _is_pipeline_config(args) -> bool:
 def _validate_pipeline(args) -> None:
     """Every stage's rules at this world size, and the inputs of its first stage (the later ones
     start from the checkpoints the earlier ones write; `megarl pipeline` checks each at its start)."""
-    from megarl.config import ConfigError, validate_config
     from megarl.trainers.data_setup import check_preflight
-    from megarl.trainers.pipeline import load_pipeline_config
+    from megarl.trainers.pipeline import check_stages, load_pipeline_config
 
     configs = load_pipeline_config(args.config, args.overrides)
-    for stage, cfg in configs.items():
-        try:
-            validate_config(cfg, _world(args), stage=RULES.get(stage))
-        except ConfigError as e:
-            raise ConfigError(f"{args.config} (stage {stage}): {e}") from None
+    check_stages(configs, _world(args), where=args.config)
     check_preflight(configs["sft"], "sft")
 
 
@@ -225,7 +221,7 @@ def main(argv=None) -> int:
     from megarl.config import ConfigError
     from megarl.data import DataError
     from megarl.rewards import RewardError
-    from megarl.trainers.loop import EXIT_REQUEUE, Preempted, StageStopped
+    from megarl.trainers.stops import EXIT_REQUEUE, Preempted, StageStopped
 
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("MEGARL_DEBUG") == "1"

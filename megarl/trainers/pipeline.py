@@ -4,9 +4,11 @@
 
 The config's shared sections (model, tokenizer, parallel, tracking, train.run_dir, ...) apply
 to every stage; `stages.<sft|rm|rl>` holds each stage's own values (steps, lr, batch sizes,
-data), merged over the shared ones field by field. Overrides: `train.run_dir=X` (shared) or
-`stages.rl.optim.lr=1e-6` (one stage). A stage whose final checkpoint exists is skipped; an
-interrupted one resumes. Every stage's console output also goes to <run_dir>/logs/<stage>.log,
+data), merged over the shared ones field by field. Overrides: a shared one (`train.steps=5`)
+sets that key in every stage, over the stage sections' own values; a stage one
+(`stages.rl.optim.lr=1e-6`) sets it in that stage only, and wins over a shared one whatever
+their order. Every stage's config passes `megarl validate`'s checks before the first stage's
+first step. A stage whose final checkpoint exists is skipped; an interrupted one resumes. Every stage's console output also goes to <run_dir>/logs/<stage>.log,
 and the resolved per-stage configs to <run_dir>/logs/pipeline.yaml.
 
 Python, in a notebook or a script (one process, or every rank under torchrun):
@@ -37,7 +39,8 @@ STAGE_DIRS = {"sft": "sft", "rm": "reward_model", "rl": "rl"}
 
 
 def load_pipeline_config(path: str | None, overrides=()) -> dict[str, Config]:
-    """{stage: resolved Config} for sft, rm and rl."""
+    """{stage: resolved Config} for sft, rm and rl. A shared override reaches every stage (as
+    `train.steps=5` on a single-stage recipe would); stage overrides are applied after them."""
     data = read_yaml(resolve_config_path(path)) if path else {}
     per_stage = data.pop("stages", None) or {}
     where = path or "config"
@@ -45,21 +48,44 @@ def load_pipeline_config(path: str | None, overrides=()) -> dict[str, Config]:
         bad = sorted(set(per_stage) - set(STAGES)) if isinstance(per_stage, dict) else per_stage
         raise ConfigError(f"{where}: 'stages' holds {', '.join(STAGES)} (one mapping each); got {bad}")
     per_stage = {k: dict(v or {}) for k, v in per_stage.items()}
-    for o in overrides:
-        key = o.partition("=")[0].strip()
-        if key.startswith("stages."):
-            stage, _, rest = key[len("stages."):].partition(".")
-            if stage not in STAGES or not rest:
-                raise ConfigError(f"override '{o}': expected stages.<{'|'.join(STAGES)}>.section.key=value")
-            per_stage[stage] = apply_override(per_stage.setdefault(stage, {}), o[len(f"stages.{stage}."):])
-        else:
-            data = apply_override(data, o)
+    staged = [o for o in overrides if o.partition("=")[0].strip().startswith("stages.")]
+    for o in (o for o in overrides if o not in staged):
+        data = apply_override(data, o)
+        for stage, section in per_stage.items():
+            if _sets(section, o.partition("=")[0].strip().split(".")):
+                per_stage[stage] = apply_override(section, o)
+    for o in staged:
+        stage, _, rest = o.partition("=")[0].strip()[len("stages."):].partition(".")
+        if stage not in STAGES or not rest:
+            raise ConfigError(f"override '{o}': expected stages.<{'|'.join(STAGES)}>.section.key=value")
+        per_stage[stage] = apply_override(per_stage.setdefault(stage, {}), o.strip()[len(f"stages.{stage}."):])
     configs = {}
     for stage in STAGES:
         merged = inherit_role_sections(deep_merge(data, per_stage.get(stage, {})))
         configs[stage] = build(Config, merged, f"{where} (stage {stage})")
     _check_shared(configs)
     return configs
+
+
+def _sets(section: dict, parts: list[str]) -> bool:
+    """Whether a stage's section gives the dotted key itself (it would shadow a shared value)."""
+    for p in parts:
+        if not isinstance(section, dict) or p not in section:
+            return False
+        section = section[p]
+    return True
+
+
+def check_stages(configs: dict[str, Config], world_size: int, stages=STAGES, where: str = "config") -> None:
+    """`megarl validate`'s rules for each given stage, before any of them runs; the message names
+    the stage: "<config> (stage rm): invalid config: ..."."""
+    from megarl.config import validate_config
+
+    for stage in (s for s in STAGES if s in stages):
+        try:
+            validate_config(configs[stage], world_size, stage="rl" if stage == "rl" else None)
+        except ConfigError as e:
+            raise ConfigError(f"{where} (stage {stage}): {e}") from None
 
 
 def _check_shared(configs: dict) -> None:
@@ -104,6 +130,7 @@ class Pipeline:
 
     def __init__(self, config, overrides=()):
         self.configs = config if isinstance(config, dict) else load_pipeline_config(config, list(overrides))
+        self.where = "config" if isinstance(config, dict) else str(config)
         self.run_dir = os.path.abspath(self.configs["sft"].train.run_dir)
 
     def sft(self) -> dict:
@@ -120,6 +147,9 @@ class Pipeline:
         unknown = sorted(set(stages) - set(STAGES))
         if unknown:
             raise ConfigError(f"--stages: unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}")
+        from megarl.runtime.distributed import world_size_from_env
+
+        check_stages(self.configs, world_size_from_env(), stages, self.where)
         self._write_resolved()
         return {s: self._stage(s) for s in STAGES if s in stages}
 
@@ -154,7 +184,6 @@ class Pipeline:
         return final
 
     def _stage(self, stage: str) -> dict:
-        from megarl.config import validate_config
         from megarl.runtime.distributed import is_rank0, teardown, world_size_from_env
         from megarl.trainers import reward_model, rl, sft
         from megarl.trainers.loop import train_stage
@@ -167,7 +196,7 @@ class Pipeline:
             return done
         module = {"sft": sft, "rm": reward_model, "rl": rl}[stage]
         cfg = self.configs[stage]
-        validate_config(cfg, world_size_from_env(), stage="rl" if stage == "rl" else None)
+        check_stages(self.configs, world_size_from_env(), (stage,), self.where)
         logs = os.path.join(self.run_dir, "logs")
         tee = contextlib.nullcontext()
         if is_rank0():
