@@ -134,13 +134,13 @@ class Pipeline:
         self.run_dir = os.path.abspath(self.configs["sft"].train.run_dir)
 
     def sft(self) -> dict:
-        return self._stage("sft")
+        return self.run(["sft"])["sft"]
 
     def reward_model(self) -> dict:
-        return self._stage("rm")
+        return self.run(["rm"])["rm"]
 
     def rl(self) -> dict:
-        return self._stage("rl")
+        return self.run(["rl"])["rl"]
 
     def run(self, stages=STAGES) -> dict:
         """The given stages in pipeline order; {stage: final metrics}."""
@@ -150,8 +150,13 @@ class Pipeline:
         from megarl.runtime.distributed import world_size_from_env
 
         check_stages(self.configs, world_size_from_env(), stages, self.where)
-        self._write_resolved()
-        return {s: self._stage(s) for s in STAGES if s in stages}
+        from megarl.trainers.run_lock import release
+
+        try:  # the first stage's session takes the run dir's lock (trainers/session.py); ours to release
+            self._write_resolved()
+            return {s: self._stage(s) for s in STAGES if s in stages}
+        finally:
+            release(self.run_dir)
 
     # ----------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from megarl.config import Config, config_to_dict, save_config
 from megarl.runtime.distributed import ProcessEnv, barrier, init_distributed, is_rank0, teardown
+from megarl.trainers import run_lock
 
 log = logging.getLogger("megarl")
 
@@ -37,6 +38,8 @@ def setup_logging(rank: int) -> None:
 
 @contextlib.contextmanager
 def stage_session(cfg: Config, stage: str, keep_process_group: bool = False):
+    """keep_process_group: the stage runs inside a pipeline (more stages follow in this process),
+    which keeps the process group and its lock on the run dir (Pipeline.run releases it)."""
     from megarl.tracking import create_tracker
     from megarl.trainers.data_setup import check_preflight
 
@@ -49,15 +52,16 @@ def stage_session(cfg: Config, stage: str, keep_process_group: bool = False):
     stage_dir = os.path.join(run_dir, stage)
     parent = tracker = None
     status = "FAILED"
+    locked = False
     try:
+        locked = _lock(run_dir, stage_dir, stage, pipeline=keep_process_group)
         if is_rank0():
             os.makedirs(stage_dir, exist_ok=True)
             save_config(cfg, os.path.join(stage_dir, "config.yaml"))
             log.info("megarl %s: world size %d (tp=%d pp=%d cp=%d dp=%d); model %d layers x %d hidden; "
-                     "%d steps of %d x %d tokens, lr %g, %s; resolved config: %s",
+                     "%s; resolved config: %s",
                      stage, env.world_size, p.tp, p.pp, p.cp, env.world_size // (p.tp * p.pp * p.cp),
-                     cfg.model.num_layers, cfg.model.hidden_size, cfg.train.steps, cfg.data.global_batch_size,
-                     cfg.data.seq_length, cfg.optim.lr, cfg.train.precision, os.path.join(stage_dir, "config.yaml"))
+                     cfg.model.num_layers, cfg.model.hidden_size, _work(cfg, stage), os.path.join(stage_dir, "config.yaml"))
         barrier()
         t = cfg.tracking
         parent = create_tracker(run_dir, None, backend=t.backend, rank=env.rank, uri=t.uri,
@@ -80,12 +84,64 @@ def stage_session(cfg: Config, stage: str, keep_process_group: bool = False):
         for tr in (tracker, parent):
             if tr is not None:
                 tr.close(status)
+        if locked:
+            run_lock.release(stage_dir)
         teardown(keep_process_group)
+
+
+def _lock(run_dir: str, stage_dir: str, stage: str, pipeline: bool) -> bool:
+    """Rank 0 takes the stage dir's lock (and, in a pipeline, the run dir's, which it keeps);
+    every rank learns whether it got them, so all refuse together. True if this call took the
+    stage lock. A training stage also refuses while another process's pipeline holds the run
+    dir; `megarl eval` does not (evaluating a checkpoint while training goes on is fine)."""
+    import torch
+    import torch.distributed as dist
+
+    from megarl.runtime.distributed import device
+
+    error, taken = None, False
+    if is_rank0():
+        try:
+            if pipeline:
+                run_lock.acquire(run_dir, _command())
+                run_lock.check_stages_free(run_dir)
+            elif stage != "eval":
+                run_lock.check_free(run_dir)
+            taken = run_lock.acquire(stage_dir, _command())
+        except run_lock.RunDirInUse as e:
+            error = e
+    ok = torch.tensor([0 if error else 1])
+    if dist.is_initialized():
+        ok = ok.to(device())
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item():
+        raise error or run_lock.RunDirInUse(f"{stage_dir} is in use by another megarl process (rank 0 names it)")
+    return taken
+
+
+def _command() -> str:
+    return " ".join(["megarl"] + sys.argv[1:])[:200]
+
+
+def _work(cfg: Config, stage: str) -> str:
+    """What the stage processes, in its own units: RL and eval sample prompts x samples (the data
+    batch plays no part there), SFT trains on sequences and RM on pairs of them."""
+    r, t = cfg.rl, cfg.train
+    if stage == "rl":
+        return (f"{t.steps} steps of {r.prompts_per_step} prompts x {r.samples_per_prompt} samples (up to "
+                f"{r.max_new_tokens} new tokens), lr {cfg.optim.lr:g}, {t.precision}"
+                + (f"; eval: {r.eval_prompts} prompts x {r.eval_samples} samples" if t.eval_interval else ""))
+    if stage == "eval":
+        return f"{r.eval_prompts} held-out prompts x {r.eval_samples} samples (up to {r.max_new_tokens} new tokens)"
+    d = cfg.data
+    rows = (f"{d.global_batch_size} pairs (2 x {d.seq_length} tokens)" if stage == "reward_model"
+            else f"{d.global_batch_size} sequences x {d.seq_length} tokens")
+    return f"{t.steps} steps of {rows}, lr {cfg.optim.lr:g}, {t.precision}"
 
 
 def _status_of(exc: BaseException) -> str:
     """The MLflow status of a stage that ended in `exc`: KILLED when pre-empted (checkpoint
     saved, requeued) or interrupted, FAILED otherwise."""
-    from megarl.trainers.loop import Preempted
+    from megarl.trainers.stops import Preempted
 
     return "KILLED" if isinstance(exc, (Preempted, KeyboardInterrupt)) else "FAILED"
