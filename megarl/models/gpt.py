@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +125,18 @@ class ScalarHead(nn.Module):
         return F.linear(hidden_states, self.weight, self.bias), None
 
 
+@dataclass
+class HeadStates:
+    """What the LM head would read, returned instead of logits with `return_hidden=True`, so
+    that a loss calls `megarl.ops.head_logprobs` (output layer + log-probs fused, chunked over
+    tokens: the [b, s, V/tp] logits never exist)."""
+    hidden: torch.Tensor        # [b, s - output_from, h] after the final norm (a view of [s, b, h])
+    weight: torch.Tensor        # [V_pad/tp, h] the output layer's weight (the embedding's when tied)
+    tp_group: object            # the tensor-parallel group the vocabulary is split over
+    vocab_size: int             # real vocabulary: columns >= it are padding
+    hidden_grad_reduced: bool   # grad(hidden) is summed over TP by the sequence-parallel gather
+
+
 @functools.cache
 def gpt_model_class():
     """megatron-core's GPTModel returning logits as a [b, s, V] VIEW of the output layer's [s, b, V],
@@ -141,35 +154,60 @@ def gpt_model_class():
     logits' memory shrink by the prompt's share); with it, the logits are cut after.
     Only the plain training/scoring call is changed; labels, MTP, inference contexts and the
     config logger take megatron's own path. Built lazily: importing megarl needs no megatron.
+
+    `model(..., return_hidden=True)` (LM head) returns `HeadStates` instead of logits: the
+    final hidden states of those columns and the output weight, for the fused head op. Under
+    sequence parallelism the hidden states are gathered as ColumnParallelLinear gathers them.
     """
     from megatron.core.config_logger import has_config_logger_enabled
     from megatron.core.models.gpt import GPTModel
 
     class MegarlGPTModel(GPTModel):
         output_from = 0  # set for the duration of one forward call
+        return_hidden = False  # likewise
 
-        def forward(self, *args, output_from: int = 0, **kw):
-            self.output_from = int(output_from)
+        def forward(self, *args, output_from: int = 0, return_hidden: bool = False, **kw):
+            if return_hidden and getattr(self, "megarl_head", "lm") != "lm":
+                raise ValueError("return_hidden=True needs the LM head (the scalar head has no vocabulary)")
+            self.output_from, self.return_hidden = int(output_from), bool(return_hidden)
             try:
                 return super().forward(*args, **kw)
             finally:
-                self.output_from = 0
+                self.output_from, self.return_hidden = 0, False
 
         def _postprocess(self, hidden_states, *args, **kw):
             c = self.output_from
             if (args or not self.post_process or kw.get("labels") is not None or kw.get("mtp_in_postprocess")
                     or kw.get("inference_context") is not None or kw.get("inference_params") is not None
                     or has_config_logger_enabled(self.config)):
+                if self.return_hidden and self.post_process:
+                    raise ValueError("return_hidden=True serves the plain training/scoring call only "
+                                     "(no labels, MTP or inference context)")
                 out = super()._postprocess(hidden_states, *args, **kw)
                 return out[:, c:] if c and self.post_process and torch.is_tensor(out) else out
             cut_before = c and not self.config.sequence_parallel
             if cut_before:
                 hidden_states = hidden_states[c:]  # [s - c, b, h]
             weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+            if self.return_hidden:
+                return self._head_states(hidden_states, weight, 0 if cut_before else c)
             logits, _ = self.output_layer(hidden_states, weight=weight,
                                           runtime_gather_output=kw.get("runtime_gather_output"))
             logits = logits.transpose(0, 1)  # [s, b, V/tp] -> [b, s, V/tp], no copy
             return logits[:, c:] if c and not cut_before else logits
+
+        def _head_states(self, hidden_states, weight, c):
+            from megatron.core import parallel_state as ps
+
+            sp = self.config.sequence_parallel
+            if sp:  # [s/tp, b, h] -> [s, b, h]; backward reduce-scatters (sums over TP)
+                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+                hidden_states = gather_from_sequence_parallel_region(hidden_states)[c:]
+            return HeadStates(hidden=hidden_states.transpose(0, 1),
+                              weight=self.output_layer.weight if weight is None else weight,
+                              tp_group=ps.get_tensor_model_parallel_group(),
+                              vocab_size=self.megarl_vocab_size, hidden_grad_reduced=sp)
 
     return MegarlGPTModel
 

@@ -1,4 +1,5 @@
-"""Fused ops: per-token log-probs/entropy over vocab-parallel logits, and GAE.
+"""Fused ops: per-token log-probs/entropy over vocab-parallel logits (or straight from the hidden
+states and the output weight, chunked over tokens: no logits), and GAE.
 
 These are the only place in megarl where these quantities are computed. CUDA tensors use the
 kernels of csrc/ (megarl._C) when they are built; everything else, and any machine without
@@ -6,6 +7,8 @@ them, uses a frugal torch path with the same semantics (logged once on `megarl.o
 """
 from ._ext import kernel_backend
 from .advantages import gae, gae_packed
+from .fused_head import head_logprobs, linear_logprobs_and_entropy
 from .logprobs import logprobs_and_entropy
 
-__all__ = ["logprobs_and_entropy", "gae", "gae_packed", "kernel_backend"]
+__all__ = ["logprobs_and_entropy", "linear_logprobs_and_entropy", "head_logprobs", "gae", "gae_packed",
+           "kernel_backend"]

@@ -198,14 +198,16 @@ def _local_stats(x, t, vocab_start, inv_temp):
     return m, s, w, zt.add_(m).masked_fill_(~owned, 0.0)
 
 
-def _grad_torch(x, t, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index):
+def _grad_torch(x, t, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index, out=None):
     """Torch path of the backward pass: [N, n] gradient in x's dtype, in row chunks.
 
     d/dz_j [g_lp lp + g_ent H] = p_j (-g_lp - g_ent (H + log p_j)) + g_lp 1[j = t],
     with log p_j = z_j - lse recomputed from x; times 1/temperature for d/dx.
+    out: where the gradient goes; may be x itself (each row chunk is read before it is
+    overwritten), which the fused output layer uses to hold one chunk's logits only.
     """
     N, n = x.shape
-    grad = torch.empty((N, n), dtype=x.dtype, device=x.device)
+    grad = torch.empty((N, n), dtype=x.dtype, device=x.device) if out is None else out
     if N == 0:
         return grad
     ignored = t == ignore_index

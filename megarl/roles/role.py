@@ -25,7 +25,8 @@ from megarl.optim import build_optimizer, build_scheduler
 from megarl.runtime.distributed import broadcast_from_last_stage, dp_means
 
 # tokens [b, s], position_ids [b, s], attention_mask [b, 1, s, s] or None, optional output_from
-# (an int c: the LM/scalar head runs on columns c: only, the output is [b, s - c, .]), ...
+# (an int c: the LM/scalar head runs on columns c: only, the output is [b, s - c, .]), optional
+# return_hidden (True: the LM head's output is models.gpt.HeadStates, for ops.head_logprobs), ...
 Batch = dict
 LossFn = Callable[[Batch, torch.Tensor], tuple]
 
@@ -123,7 +124,7 @@ class Role:
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
-            extra = {"output_from": batch["output_from"]} if batch.get("output_from") else {}
+            extra = {k: batch[k] for k in ("output_from", "return_hidden") if batch.get(k)}
             output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **kwargs, **extra)
             if collect:
                 return output, lambda out, non_loss_data=True: on_output(batch, out)

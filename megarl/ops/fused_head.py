@@ -1,0 +1,167 @@
+"""Output layer + per-token log-prob/entropy in one op, chunked over tokens: no [tokens, V] logits.
+
+The unfused path materialises the output layer's logits [T, V/tp] and keeps them for the
+backward (8 x 4096 tokens x 152k vocab is 20 GB in fp32). Here the hidden states [T, h] go
+through the (vocab-parallel) output weight [V/tp, h] a chunk of tokens at a time; each chunk's
+logits are reduced straight to the four row statistics of `logprobs.py` (max, sum-exp, first
+moment, target logit) and dropped. The TP reductions (one MAX, one packed SUM) run once over all
+tokens after the chunk loop, exactly as in `logprobs_and_entropy`. The backward recomputes each
+chunk's logits, turns them in place into their gradient, and accumulates grad(hidden) = dZ W and
+grad(W) += dZ^T X, so the peak extra memory is one chunk's logits whatever the token count.
+Same maths (and same dtypes: the GEMM runs in the inputs' dtype, the statistics in fp32) as
+output layer -> `mask_padded_vocab` -> `logprobs_and_entropy`.
+"""
+import torch
+import torch.nn.functional as F
+
+from . import _ext
+from .logprobs import _as_rows, _grad_torch, _group_info, _local_stats, _reduce_and_finalize
+
+# Logit elements per token chunk (one chunk's fp32 logits: 256 MiB): at V = 152k that is 441
+# tokens, enough rows for the GEMM to run at full speed and < 3% of 8 x 2048 tokens' logits.
+_CHUNK_LOGIT_ELEMS = 1 << 26
+# What `models.gpt.mask_padded_vocab` writes into the padding columns: zero probability, and
+# finite, so p * logit is 0 (not NaN) in the entropy.
+_PAD_LOGIT = -1e30
+
+
+def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab_size=None, temperature=1.0,
+                                with_entropy=True, ignore_index=-100, chunk_size=None, reduce_hidden_grad=True):
+    """log p(target) and the entropy of softmax(hidden @ weight.T / temperature), per token.
+
+    hidden: [..., h] (e.g. [b, s, h] or [T, h]; strided views such as a [b, s, h] transpose of
+        [s, b, h] are read without a copy); weight: [V_pad/tp, h], this TP rank's rows of the
+        output layer (rank r holds global vocabulary ids [r V_pad/tp, (r+1) V_pad/tp)), same
+        dtype as hidden (fp32, bf16 or fp16).
+    targets: [...] global ids; ignore_index gives 0 and no gradient (as `logprobs_and_entropy`).
+    vocab_size: the real vocabulary; columns >= vocab_size are padding and get zero probability
+        (None: no padding).
+    chunk_size: tokens per chunk (default: _CHUNK_LOGIT_ELEMS / (V_pad/tp)).
+    reduce_hidden_grad: all-reduce grad(hidden) over tp_group in the backward, as megatron's
+        ColumnParallelLinear does through `copy_to_tensor_model_parallel_region`. Pass False when
+        the caller's hidden states come through a region function whose backward already sums
+        over TP (sequence parallelism: `gather_from_sequence_parallel_region`'s reduce-scatter).
+    Returns (logprob [...], entropy [...] or None), fp32, differentiable w.r.t. hidden and weight.
+    """
+    if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
+        raise TypeError(f"hidden and weight must share one of fp32/bf16/fp16, got {hidden.dtype} and {weight.dtype}")
+    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(f"weight must be [V/tp, h] with h = hidden.shape[-1]: got hidden {tuple(hidden.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets {tuple(targets.shape)} must match hidden {tuple(hidden.shape)}[:-1]")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be integer ids, got {targets.dtype}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+    x, t, restore = _as_rows(hidden, targets)  # [N, h], [N]
+    tp_size, tp_rank = _group_info(tp_group)
+    n = weight.shape[0]
+    padded = n * tp_size
+    if vocab_size is not None and not 0 < vocab_size <= padded:
+        raise ValueError(f"vocab_size ({vocab_size}) must be in [1, {padded}] (the weight's rows x TP size)")
+    first_pad = n if vocab_size is None else min(max(vocab_size - n * tp_rank, 0), n)  # local column
+    step = chunk_size or max(1, _CHUNK_LOGIT_ELEMS // n)
+    lp, ent = _FusedLinearLogProbs.apply(
+        x, weight, t, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
+        1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad))
+    return restore(lp), (restore(ent) if with_entropy else None)
+
+
+def head_logprobs(head, labels, *, temperature=1.0, with_entropy=False, ignore_index=-100, chunk_size=None):
+    """`linear_logprobs_and_entropy` on what a model returns with `return_hidden=True`
+    (`megarl.models.gpt.HeadStates`: hidden [b, s - c, h], the output weight, the TP group, the
+    real vocabulary, whether grad(hidden) is already summed over TP). labels: [b, s - c].
+    The fused counterpart of `mask_padded_vocab` + `logprobs_and_entropy` on logits."""
+    return linear_logprobs_and_entropy(
+        head.hidden, head.weight, labels, tp_group=head.tp_group, vocab_size=head.vocab_size,
+        temperature=temperature, with_entropy=with_entropy, ignore_index=ignore_index, chunk_size=chunk_size,
+        reduce_hidden_grad=not head.hidden_grad_reduced)
+
+
+def _chunk_logits(xc, weight, first_pad):
+    """[c, n] logits of one token chunk, padding columns masked (in place)."""
+    z = F.linear(xc, weight)
+    if first_pad < z.shape[1]:
+        z[:, first_pad:] = torch.finfo(z.dtype).min if z.dtype == torch.float16 else _PAD_LOGIT
+    return z
+
+
+def _chunk_stats(z, t, vocab_start, padded, ignore_index, inv_temp):
+    """(m, s, w, zt) [c] of one chunk's logits: the CUDA kernel when it serves z, else torch."""
+    if _ext.use_kernels(z):
+        with torch.cuda.device(z.device):
+            return _ext.load().logprobs_fwd(z, t, vocab_start, padded, ignore_index, inv_temp, False,
+                                            _ext.stream_of(z))
+    return _local_stats(z, t, vocab_start, inv_temp)
+
+
+def _chunk_grad(z, t, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index):
+    """d loss / d z of one chunk (the torch path overwrites z with it)."""
+    if _ext.use_kernels(z):
+        with torch.cuda.device(z.device):
+            return _ext.load().logprobs_bwd(z, t, lse, ent, g_lp, g_ent, vocab_start, ignore_index, inv_temp,
+                                            _ext.stream_of(z))
+    return _grad_torch(z, t, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index, out=z)
+
+
+class _FusedLinearLogProbs(torch.autograd.Function):
+    """(x [N, h], w [n, h], targets [N]) -> (logprob [N], entropy [N]); saves 2 floats per token."""
+
+    @staticmethod
+    def forward(ctx, x, w, t, group, vocab_start, padded, first_pad, inv_temp, ignore_index, step, reduce_grad):
+        N = x.shape[0]
+        m, s, mom, zt = torch.empty(4, N, dtype=torch.float32, device=x.device).unbind(0)
+        for r0 in range(0, N, step):
+            r1 = min(N, r0 + step)
+            z = _chunk_logits(x[r0:r1], w, first_pad)                          # [c, n], dropped
+            stats = _chunk_stats(z, t[r0:r1], vocab_start, padded, ignore_index, inv_temp)
+            for dst, src in zip((m, s, mom, zt), stats):
+                dst[r0:r1] = src
+            del z
+        lp, ent, lse = _reduce_and_finalize(m, s, mom, zt, t, padded, t == ignore_index, group)
+        ctx.save_for_backward(x, w, t, lse, ent)
+        ctx.consts = (group, vocab_start, first_pad, inv_temp, ignore_index, step, reduce_grad)
+        ctx.set_materialize_grads(False)
+        return lp, ent.clone()  # [N] copy: callers may edit the output in place
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_lp, g_ent):
+        x, w, t, lse, ent = ctx.saved_tensors
+        group, vocab_start, first_pad, inv_temp, ignore_index, step, reduce_grad = ctx.consts
+        need_x, need_w = ctx.needs_input_grad[:2]
+        if not (need_x or need_w) or (g_lp is None and g_ent is None):
+            return (None,) * 11
+        g_lp = None if g_lp is None else g_lp.float().contiguous()
+        g_ent = None if g_ent is None else g_ent.float().contiguous()
+        N = x.shape[0]
+        gx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None  # [N, h]
+        # grad(w) sums over every chunk: accumulated in fp32 (one rounding to w's dtype at the end)
+        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None  # [n, h]
+        for r0 in range(0, N, step):
+            r1 = min(N, r0 + step)
+            xc = x[r0:r1]
+            z = _chunk_logits(xc, w, first_pad)                                # [c, n]
+            dz = _chunk_grad(z, t[r0:r1], lse[r0:r1], ent[r0:r1],
+                             None if g_lp is None else g_lp[r0:r1], None if g_ent is None else g_ent[r0:r1],
+                             vocab_start, inv_temp, ignore_index)
+            del z
+            if need_x:
+                torch.mm(dz, w, out=gx[r0:r1])                                 # [c, h]
+            if need_w:
+                if gw.dtype == dz.dtype:
+                    gw.addmm_(dz.t(), xc)
+                else:
+                    gw.add_(torch.mm(dz.t(), xc))
+            del dz
+        if need_x and group is not None and reduce_grad:
+            import torch.distributed as dist
+
+            dist.all_reduce(gx, group=group)  # each rank's vocab shard adds its part of dL/dx
+        if need_w and gw.dtype != w.dtype:
+            gw = gw.to(w.dtype)
+        return gx, gw, None, None, None, None, None, None, None, None, None

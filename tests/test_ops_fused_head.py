@@ -1,0 +1,276 @@
+"""megarl.ops.linear_logprobs_and_entropy (output layer + log-prob/entropy, chunked over tokens)
+against float64 references (values, grad of the hidden states and of the weight), against
+today's unfused path (output layer -> mask_padded_vocab -> logprobs_and_entropy), at TP=2 over
+gloo, and through a Role (`return_hidden=True`) at TP1/TP2/PP2 with tied and untied embeddings.
+
+Tolerances. fp32 GEMMs of h <= 64 terms and the fp32 row statistics: values within 2e-5, grads
+within 1e-4 relative (as tests/test_ops_logprobs.py) of float64.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_helpers import run_distributed
+from megarl.ops import head_logprobs, linear_logprobs_and_entropy, logprobs_and_entropy
+from megarl.ops import fused_head
+
+VAL_TOL = dict(rtol=2e-5, atol=2e-5)
+GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+
+
+def make(T, h, n, *, seed=0, ignore_frac=0.2, vocab_size=None, dtype=torch.float32):
+    """Fresh hidden [T, h], weight [n, h] (logits of O(3)) and targets [T] < vocab_size."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, h, generator=g).to(dtype)
+    w = (torch.randn(n, h, generator=g) * (3.0 / h ** 0.5)).to(dtype)
+    t = torch.randint(0, vocab_size or n, (T,), generator=g)
+    t[torch.rand(T, generator=g) < ignore_frac] = -100
+    return x, w, t
+
+
+def reference(x, w, t, vocab_size=None, temperature=1.0, ignore_index=-100):
+    """float64 output layer + log_softmax; padding columns at -inf. Differentiable in x64, w64."""
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    z = (x64 @ w64.T) / temperature
+    if vocab_size is not None:
+        z = z.masked_fill(torch.arange(z.shape[-1]) >= vocab_size, float("-inf"))
+    lsm = torch.log_softmax(z, -1)
+    ign = t == ignore_index
+    lp = lsm.gather(-1, t.clamp(min=0)[..., None]).squeeze(-1).masked_fill(ign, 0)
+    p = lsm.exp()
+    ent = -(p * torch.where(p > 0, lsm, 0.0)).sum(-1).masked_fill(ign, 0)
+    return x64, w64, lp, ent
+
+
+def backprop_mix(lp, ent, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(lp.shape, generator=g, dtype=torch.float64)
+    b = torch.randn(lp.shape, generator=g, dtype=torch.float64)
+    ((lp.double() * a).sum() + (ent.double() * b).sum()).backward()
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_values_and_grads_match_float64(chunk, temperature):
+    x, w, t = make(53, 24, 300, seed=3, vocab_size=290)
+    x.requires_grad_(), w.requires_grad_()
+    lp, ent = linear_logprobs_and_entropy(x, w, t, vocab_size=290, temperature=temperature, chunk_size=chunk)
+    x64, w64, rlp, rent = reference(x, w, t, 290, temperature)
+    assert lp.dtype == ent.dtype == torch.float32 and lp.shape == t.shape
+    torch.testing.assert_close(lp.double(), rlp, **VAL_TOL)
+    torch.testing.assert_close(ent.double(), rent, **VAL_TOL)
+    backprop_mix(lp, ent)
+    backprop_mix(rlp, rent)
+    torch.testing.assert_close(x.grad.double(), x64.grad, **GRAD_TOL)
+    torch.testing.assert_close(w.grad.double(), w64.grad, **GRAD_TOL)
+    assert (w.grad[290:] == 0).all()  # padding rows of the weight get no gradient
+
+
+def test_strided_bsh_hidden_and_single_outputs():
+    """[b, s, h] as the model hands it (a transpose of [s, b, h]); log-prob only, entropy only."""
+    base, w, t = make(5 * 3, 16, 111, seed=4)
+    hidden = base.view(5, 3, 16).transpose(0, 1).detach().requires_grad_(False)  # [b=3, s=5, h]
+    labels = t.view(5, 3).transpose(0, 1)
+    for which in ("lp", "ent"):
+        h = hidden.detach().clone().requires_grad_()  # contiguous [b, s, h] leaf...
+        hs = h.transpose(0, 1).contiguous().transpose(0, 1)  # ...seen through a strided view
+        ww = w.detach().clone().requires_grad_()
+        lp, ent = linear_logprobs_and_entropy(hs, ww, labels, chunk_size=4, with_entropy=which == "ent")
+        assert lp.shape == labels.shape
+        x64, w64, rlp, rent = reference(hidden.reshape(-1, 16), w, labels.reshape(-1))
+        (lp.sum() if which == "lp" else ent.sum()).backward()
+        (rlp.sum() if which == "lp" else rent.sum()).backward()
+        torch.testing.assert_close(lp.reshape(-1).double(), rlp, **VAL_TOL)
+        torch.testing.assert_close(h.grad.reshape(-1, 16).double(), x64.grad, **GRAD_TOL)
+        torch.testing.assert_close(ww.grad.double(), w64.grad, **GRAD_TOL)
+        if which == "lp":
+            assert ent is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equals_unfused_path(dtype):
+    """Output layer -> padding mask -> logprobs_and_entropy, in the same dtype, as RL runs today."""
+    x, w, t = make(40, 32, 256, seed=5, vocab_size=250, dtype=dtype)
+    xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, ent = linear_logprobs_and_entropy(xf, wf, t, vocab_size=250, temperature=0.9, chunk_size=9)
+    backprop_mix(lp, ent)
+    xu, wu = x.clone().requires_grad_(), w.clone().requires_grad_()
+    logits = F.linear(xu, wu)
+    logits[:, 250:] = -1e30  # models.gpt.mask_padded_vocab
+    ulp, uent = logprobs_and_entropy(logits, t, temperature=0.9)
+    backprop_mix(ulp, uent)
+    tol = VAL_TOL if dtype == torch.float32 else dict(rtol=0, atol=0)  # bf16: the same bf16 logits
+    torch.testing.assert_close(lp, ulp, **tol)
+    torch.testing.assert_close(ent, uent, **tol)
+    gtol = GRAD_TOL if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-3)  # bf16 chunk sums
+    torch.testing.assert_close(xf.grad.float(), xu.grad.float(), **gtol)
+    torch.testing.assert_close(wf.grad.float(), wu.grad.float(), **gtol)
+    assert xf.grad.dtype == wf.grad.dtype == dtype
+
+
+def test_no_logits_saved_for_backward_and_chunk_bounded(monkeypatch):
+    """The autograd graph keeps nothing of [T, V] size, and no logits tensor exceeds one chunk."""
+    T, h, n, chunk = 96, 16, 500, 10
+    x, w, t = make(T, h, n, seed=6)
+    x.requires_grad_(), w.requires_grad_()
+    saved = []
+    widest = []
+    real = fused_head._chunk_logits
+    monkeypatch.setattr(fused_head, "_chunk_logits", lambda xc, ww, fp: widest.append(xc.shape[0]) or real(xc, ww, fp))
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s.numel()) or s, lambda s: s):
+        lp, ent = linear_logprobs_and_entropy(x, w, t, chunk_size=chunk)
+    (lp.sum() + ent.sum()).backward()
+    assert max(saved) <= max(T * h, n * h), saved  # inputs and per-token stats only
+    assert max(widest) == chunk and len(widest) == 2 * -(-T // chunk)  # forward + backward chunks
+
+
+def test_input_validation():
+    x, w, t = make(4, 8, 10)
+    with pytest.raises(TypeError):
+        linear_logprobs_and_entropy(x, w.double(), t)
+    with pytest.raises(ValueError):
+        linear_logprobs_and_entropy(x, w[:, :4], t)
+    with pytest.raises(ValueError):
+        linear_logprobs_and_entropy(x, w, t[:2])
+    with pytest.raises(ValueError):
+        linear_logprobs_and_entropy(x, w, t, vocab_size=11)
+    with pytest.raises(ValueError):
+        linear_logprobs_and_entropy(x, w, t, chunk_size=0)
+    with pytest.raises(ValueError):
+        linear_logprobs_and_entropy(x, w, t, temperature=0)
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+def _tp_body(rank, world, cases):
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    out = []
+    for x, w, t, vocab_size, reduce_grad in cases:
+        n = w.shape[0] // world
+        xr = x.clone().requires_grad_()
+        wr = w[rank * n:(rank + 1) * n].clone().requires_grad_()
+        lp, ent = linear_logprobs_and_entropy(xr, wr, t, tp_group=group, vocab_size=vocab_size, temperature=0.8,
+                                              chunk_size=6, reduce_hidden_grad=reduce_grad)
+        backprop_mix(lp, ent)
+        out.append((lp.detach(), ent.detach(), xr.grad, wr.grad))
+    return out
+
+
+@pytest.mark.slow
+def test_tensor_parallel_matches_float64():
+    world = 2
+    cases = [make(31, 16, 2 * 200, seed=7, vocab_size=390) + (390, True),   # rank 1's tail is padding
+             make(20, 16, 2 * 8, seed=8, vocab_size=7) + (7, True),         # rank 1 holds padding only
+             make(25, 16, 2 * 150, seed=9) + (None, False)]                 # SP-style: caller sums grad(x)
+    results = run_distributed(_tp_body, world, cases)
+    for i, (x, w, t, vocab_size, reduce_grad) in enumerate(cases):
+        x64, w64, rlp, rent = reference(x, w, t, vocab_size, 0.8)
+        backprop_mix(rlp, rent)
+        for outs in results:
+            torch.testing.assert_close(outs[i][0].double(), rlp, **VAL_TOL)
+            torch.testing.assert_close(outs[i][1].double(), rent, **VAL_TOL)
+        gx = [outs[i][2] for outs in results]
+        if reduce_grad:
+            for g in gx:  # every rank holds the full (all-reduced) grad of the hidden states
+                torch.testing.assert_close(g.double(), x64.grad, **GRAD_TOL)
+        else:
+            torch.testing.assert_close(sum(gx).double(), x64.grad, **GRAD_TOL)
+        gw = torch.cat([outs[i][3] for outs in results])
+        torch.testing.assert_close(gw.double(), w64.grad, **GRAD_TOL)
+
+
+# ----------------------------------------------------------------------------- through a Role
+
+VOCAB, SEQ, GBS, MBS, PROMPT = 100, 12, 4, 2, 5  # vocab 100: TP padding (128)
+
+
+def _role_body(rank, world, tp, pp):
+    from megatron.core import parallel_state as ps
+
+    from megarl.config import LRScheduleConfig, ModelConfig, OptimConfig, ParallelConfig
+    from megarl.models.gpt import HeadStates
+    from megarl.models.layout import gather_full_state_dict
+    from megarl.roles.role import Role
+    from megarl.runtime.distributed import init_distributed, teardown
+    from megarl.trainers.common import dp_microbatches, token_logprobs
+
+    init_distributed(tp, pp, seed=11)
+    g = torch.Generator().manual_seed(3)
+    seq = torch.randint(0, VOCAB, (GBS, SEQ + 1), generator=g)
+    mask = (torch.rand(GBS, SEQ - PROMPT, generator=g) > 0.3).float()
+    batch = {"tokens": seq[:, :-1], "position_ids": torch.arange(SEQ).expand(GBS, SEQ), "output_from": PROMPT,
+             "labels": seq[:, PROMPT + 1:], "mask": mask}
+
+    def loss(lp, ent, b):  # NLL and an entropy bonus: both outputs' gradients are used
+        loss_sum = -(lp * b["mask"]).sum() - 0.1 * (ent * b["mask"]).sum()
+        count = b["mask"].sum().to(torch.int)
+        return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), count.double()])}
+
+    def logits_loss(b, logits):
+        from megarl.models.gpt import mask_padded_vocab
+        assert torch.is_tensor(logits) and logits.shape[1] == SEQ - PROMPT
+        lp, ent = logprobs_and_entropy(mask_padded_vocab(logits, VOCAB), b["labels"],
+                                       tp_group=ps.get_tensor_model_parallel_group())
+        return loss(lp, ent, b)
+
+    def fused_loss(b, head):
+        assert isinstance(head, HeadStates) and head.hidden.shape[1] == SEQ - PROMPT
+        lp, ent = head_logprobs(head, b["labels"], with_entropy=True, chunk_size=3)
+        return loss(lp, ent, b)
+
+    out = {}
+    for tied in (False, True):
+        model = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+                            vocab_size=VOCAB, max_position_embeddings=32, tie_embeddings=tied)
+        optim = OptimConfig(lr=1e-2, clip_grad=1.0, eps=1e-4)
+        roles = {name: Role(name, model, ParallelConfig(tp=tp, pp=pp), optim=optim, schedule=LRScheduleConfig(),
+                            train_steps=2, seed=5) for name in ("logits", "fused")}
+        mbs = dp_microbatches(batch, MBS)
+        fused_mbs = [dict(mb, return_hidden=True) for mb in mbs]
+        collected = {
+            "logits": roles["logits"].forward_collect(mbs, lambda b, o: token_logprobs(o, b["labels"], VOCAB)),
+            "fused": roles["fused"].forward_collect(fused_mbs, lambda b, o: head_logprobs(o, b["labels"])[0]),
+        }
+        steps = {"logits": roles["logits"].train_step(mbs, logits_loss).metrics["loss"],
+                 "fused": roles["fused"].train_step(fused_mbs, fused_loss).metrics["loss"]}
+        params = {k: gather_full_state_dict(r.model, VOCAB) for k, r in roles.items()}
+        out[tied] = {"collected": collected, "loss": steps, "params": params}
+        del roles
+    teardown()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_role_train_step_fused_equals_logits(tp, pp):
+    """Same collected log-probs, same loss and the same parameter update (every parameter,
+    embedding included when tied) as the logits path, within 1e-5."""
+    result = run_distributed(_role_body, tp * pp, tp, pp)[0]
+    for tied, r in result.items():
+        for a, b in zip(r["collected"]["fused"], r["collected"]["logits"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert abs(r["loss"]["fused"] - r["loss"]["logits"]) <= 1e-5 * abs(r["loss"]["logits"]), (tied, r["loss"])
+        fused, logits = r["params"]["fused"], r["params"]["logits"]
+        assert fused.keys() == logits.keys()
+        assert not tied or not any("output_layer" in k for k in fused)  # tied: the embedding is the head
+        for k in logits:
+            torch.testing.assert_close(fused[k], logits[k], rtol=1e-5, atol=1e-6, msg=f"{k} (tied={tied})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_chunks_use_kernels_and_match_cpu(dtype):
+    """On a GPU each chunk's statistics and gradient come from csrc's kernels: same results."""
+    x, w, t = make(70, 32, 520, seed=12, vocab_size=500, dtype=dtype)
+    grads = {}
+    for device in ("cpu", "cuda"):
+        xd, wd = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+        lp, ent = linear_logprobs_and_entropy(xd, wd, t.to(device), vocab_size=500, chunk_size=16)
+        (lp.sum() - 0.3 * ent.sum()).backward()
+        grads[device] = [v.detach().float().cpu() for v in (lp, ent, xd.grad, wd.grad)]
+    tol = GRAD_TOL if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-3)
+    for a, b in zip(grads["cuda"], grads["cpu"]):
+        torch.testing.assert_close(a, b, **tol)
