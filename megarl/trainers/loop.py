@@ -260,8 +260,14 @@ class Checkpointer:
                 call.async_caller.close(abort=True)
 
 
-def run_stage(cfg: Config, stage: Stage, stage_dir: str, tracker) -> dict:
-    """Run `stage` for cfg.train.steps loop steps; returns the final metrics."""
+def run_stage(cfg: Config, stage: Stage, stage_dir: str, tracker,
+              preemption: PreemptionSignal | None = None) -> dict:
+    """Run `stage` for cfg.train.steps loop steps; returns the final metrics. `preemption`: a
+    handler installed before the stage was built (train_stage), so that a signal during setup
+    or the step-0 evaluation also ends in a clean exit 75."""
+    if preemption is None:
+        with PreemptionSignal() as preemption:
+            return run_stage(cfg, stage, stage_dir, tracker, preemption)
     total = cfg.train.steps
     checkpointer = Checkpointer(cfg, stage, os.path.join(stage_dir, "checkpoints"), tracker)
     step = checkpointer.resume()
@@ -270,24 +276,28 @@ def run_stage(cfg: Config, stage: Stage, stage_dir: str, tracker) -> dict:
                  stage.name, step, total, stage_dir)
     logger = MetricLogger(tracker, stage_dir, stage.name, total, step, cfg.train.log_interval)
     evaluator = Evaluator(stage, cfg.train.eval_interval, total, logger)
-    if step == 0:
+    if step == 0 and not preemption.requested():
         evaluator.maybe(0)  # the starting point, for stages that ask (RL: the model it starts from)
+    if step < total and preemption.requested():  # during setup or the step-0 evaluation
+        logger.progress.close()
+        state = f"its checkpoint of step {step} is the latest" if step else "nothing to save yet"
+        raise Preempted(f"{stage.name}: pre-empted before step {step + 1}; {state}, exiting {EXIT_REQUEUE} "
+                        "for requeue")
     try:
-        with PreemptionSignal() as preemption:
-            while step < total:
-                start = time.perf_counter()
-                metrics = stage.step(step)
-                step += 1
-                metrics["perf/step_time_s"] = time.perf_counter() - start
-                logger.log(step, metrics)
-                evaluator.maybe(step)
-                checkpointer.maybe(step)
-                if preemption.requested():
-                    checkpointer.save(step)
-                    checkpointer.wait()
-                    logger.progress.close()
-                    raise Preempted(f"{stage.name}: pre-empted at step {step}; checkpoint saved, "
-                                    f"exiting {EXIT_REQUEUE} for requeue")
+        while step < total:
+            start = time.perf_counter()
+            metrics = stage.step(step)
+            step += 1
+            metrics["perf/step_time_s"] = time.perf_counter() - start
+            logger.log(step, metrics)
+            evaluator.maybe(step)
+            checkpointer.maybe(step)
+            if preemption.requested():
+                checkpointer.save(step)
+                checkpointer.wait()
+                logger.progress.close()
+                raise Preempted(f"{stage.name}: pre-empted at step {step}; checkpoint saved, "
+                                f"exiting {EXIT_REQUEUE} for requeue")
         logger.progress.close()
         checkpointer.save(step)  # the final state (a no-op if this step is already saved)
         checkpointer.wait()
@@ -303,8 +313,8 @@ def train_stage(cfg: Config, name: str, build, keep_process_group: bool = False)
     `build(cfg, stage_dir) -> Stage`."""
     from megarl.trainers.session import stage_session
 
-    with stage_session(cfg, name, keep_process_group) as s:
-        final = run_stage(cfg, build(cfg, s.stage_dir), s.stage_dir, s.tracker)
+    with PreemptionSignal() as preemption, stage_session(cfg, name, keep_process_group) as s:
+        final = run_stage(cfg, build(cfg, s.stage_dir), s.stage_dir, s.tracker, preemption)
         if is_rank0():
             shown = {k: v for k, v in final.items() if k.startswith("eval/")} or \
                 {k: v for k, v in final.items() if k.startswith("train/")}

@@ -1,0 +1,41 @@
+"""Failure paths of issue 27 (pre-emption before the first step, disk full during a checkpoint,
+HF weights of another size) and 28.6 (`megarl eval`): one line, the right exit status, nothing
+lost."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from megarl_run import TINY, command, env, megarl
+
+HERE = os.path.dirname(__file__)
+TINY_RL = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
+           "model.num_kv_heads=2", "tracking.backend=none", "train.log_interval=1",
+           "roles.actor.init_from=random", "roles.reference.init_from=random", "rl.max_new_tokens=8",
+           "rl.micro_batch_size=8", "rl.prompts_per_step=4", "rl.samples_per_prompt=2"]
+
+
+def test_sigterm_during_setup_or_the_step0_evaluation_exits_75(tmp_path):
+    """SIGTERM once the session exists (the roles being built, or the step-0 evaluation running):
+    exit 75 with one line, no step taken (before: killed by the signal, 143, no message)."""
+    run = tmp_path / "run"
+    args = ["rl", "--config", "tiny_grpo.yaml", f"train.run_dir={run}", *TINY_RL, "train.steps=3",
+            "train.eval_interval=3", "rl.eval_prompts=64", "rl.eval_samples=8", "rl.max_new_tokens=24"]
+    proc = subprocess.Popen(command(args), env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while not (run / "rl" / "config.yaml").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, (out[-2000:], err[-2000:])
+    assert err.strip().splitlines()[-1] == ("megarl: rl: pre-empted before step 1; nothing to save yet, "
+                                            "exiting 75 for requeue")
+    steps = [json.loads(line)["step"] for line in open(run / "rl" / "metrics.jsonl")] \
+        if (run / "rl" / "metrics.jsonl").exists() else []
+    assert set(steps) <= {0}  # at most the step-0 evaluation; no training step
+    assert not (run / "rl" / "megarl.lock").exists()
