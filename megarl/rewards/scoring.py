@@ -1,13 +1,11 @@
 """Loading reward functions by name or dotted path, and scoring a batch with error isolation."""
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import math
-import os
-import sys
 from dataclasses import dataclass, field
+
+from megarl.utils.imports import import_user_module
 
 from .rules import BUILTINS, RewardFn, weighted_sum
 
@@ -63,22 +61,7 @@ def load_reward_fn(spec) -> RewardFn:
 
 
 def _import(module_name: str, spec: str):
-    try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise ValueError(f"reward function {spec!r}: file not found: {module_name}")
-            name = "megarl_user_reward_" + os.path.splitext(os.path.basename(module_name))[0]
-            mod_spec = importlib.util.spec_from_file_location(name, module_name)
-            module = importlib.util.module_from_spec(mod_spec)
-            sys.modules[name] = module
-            mod_spec.loader.exec_module(module)
-            return module
-        return importlib.import_module(module_name)
-    except ValueError:
-        raise
-    except Exception as e:  # ImportError, or the user module raising while it loads
-        raise ValueError(f"reward function {spec!r}: cannot import {module_name!r}: "
-                         f"{type(e).__name__}: {e}".replace("\n", " ")) from None
+    return import_user_module(module_name, f"reward function {spec!r}", "megarl_user_reward_")
 
 
 @dataclass

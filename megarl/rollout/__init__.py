@@ -2,9 +2,12 @@
 
 engine.py: the rollout engine (batched KV-cache sampling on the actor's own megatron-core model,
 at any TP/PP layout) that RL and evaluation use; sampling.py: its pure sampling maths;
-greedy.py: the no-cache greedy reference the tests compare against.
+tools.py: tools the policy calls inside a response (calculator, opt-in python, user functions)
+and the inline call protocol; greedy.py: the no-cache greedy reference the tests compare against.
 """
 from megarl.rollout.engine import MegatronRolloutEngine, Rollout, RolloutEngine
 from megarl.rollout.sampling import SamplingParams
+from megarl.rollout.tools import Tool, Toolbox, ToolResult, build_tools
 
-__all__ = ["MegatronRolloutEngine", "Rollout", "RolloutEngine", "SamplingParams"]
+__all__ = ["MegatronRolloutEngine", "Rollout", "RolloutEngine", "SamplingParams", "Tool", "ToolResult", "Toolbox",
+           "build_tools"]

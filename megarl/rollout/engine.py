@@ -4,7 +4,7 @@ The model that trains is the model that samples: no weight copy, no second engin
 over left-padded prompts (explicit [b, 1, sq, sk] mask), then one token per step with
 megatron-core's `StaticInferenceContext` holding the KV cache, which megarl's attention module
 fills with keys after RoPE, in a [B, g, S, d] layout (models/attention.py). megatron-core's own
-engines do not fit RL on CPU (NOTES.md): the dynamic one needs CUDA kernels, the legacy static
+engines do not fit RL on CPU (megatron-core 0.16): the dynamic one needs CUDA kernels, the legacy static
 one samples padded-vocabulary ids, ignores the temperature in its log-probs and seeds every
 rank alike.
 
@@ -13,6 +13,19 @@ rank holds the same full logits and draws the same token from the same counter-b
 with no extra communication. PP: each step goes through megatron's forward-only schedule
 (the rows split into pipeline micro-batches that share one cache via `batch_size_offset`), and
 only the sampled ids and their log-probs are broadcast from the last stage.
+
+Tools (megarl/rollout/tools.py). With a Toolbox, each row's text since its last observation is
+watched for a closed call; the tool's observation is tokenised and queued on that row, and the
+queue is consumed one token per decode step before sampling resumes: a forced token goes through
+the very decode step a sampled one does, so the KV cache is that of the full sequence. A forced
+token has no log-prob (0), is not a sample (`Rollout.sampled_mask` False) and never ends a row.
+Sampled tokens keep their keys (global sample id, position in the response), so a row without
+calls is the row the engine draws without tools. The tool runs on the first rank of the
+model-parallel group, whose observation tokens are broadcast to the others: every TP/PP rank
+injects the same tokens even when a tool is not deterministic (timeouts). Observations count
+against `max_new_tokens`: prompt + response (sampled and observed) stays within the model's
+sequence length; an observation that does not fit is cut there (the row ends on the budget).
+A call beyond `Toolbox.max_calls` is not run: the row ends (`hit_call_limit`).
 """
 from __future__ import annotations
 
@@ -26,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens
+from megarl.rollout.tools import ERROR, TIMEOUT, Toolbox
 
 __all__ = ["SamplingParams", "Rollout", "RolloutEngine", "MegatronRolloutEngine"]
 
@@ -40,6 +54,23 @@ class Rollout:
     response_mask: torch.Tensor  # [N, R] bool
     stopped: torch.Tensor        # [N] bool: ended on a stop id/string (False = hit max_new_tokens)
     stats: dict = field(default_factory=dict)  # timings and sizes of the call (not part of the result's meaning)
+    # Tools (all filled by the engine; without tools sampled_mask == response_mask and the counts are 0):
+    sampled_mask: torch.Tensor | None = None      # [N, R] bool: sampled by the policy (False: observation or padding)
+    tool_calls: torch.Tensor | None = None        # [N] long: tool calls run (limit-refused calls not counted)
+    tool_errors: torch.Tensor | None = None       # [N] long: calls whose observation is an error (timeouts included)
+    tool_timeouts: torch.Tensor | None = None     # [N] long: calls that hit the tool's timeout
+    observation_tokens: torch.Tensor | None = None  # [N] long: forced tokens in the response
+    hit_call_limit: torch.Tensor | None = None    # [N] bool: ended on a call beyond max_tool_calls
+
+    def __post_init__(self):
+        N = self.tokens.shape[0]
+        if self.sampled_mask is None:
+            self.sampled_mask = self.response_mask.clone()
+        for name in ("tool_calls", "tool_errors", "tool_timeouts", "observation_tokens"):
+            if getattr(self, name) is None:
+                setattr(self, name, torch.zeros(N, dtype=torch.long))
+        if self.hit_call_limit is None:
+            self.hit_call_limit = torch.zeros(N, dtype=torch.bool)
 
     def responses(self) -> list[list[int]]:
         """Response token ids per row (the stop token included)."""
@@ -75,13 +106,14 @@ def _unwrap(model):
 class MegatronRolloutEngine(RolloutEngine):
     def __init__(self, role, *, vocab_size: int, pad_id: int, decode: Callable[[list[int]], str] | None = None,
                  max_batch_size: int = 64, max_seq_len: int | None = None, pp_microbatches: int | None = None,
-                 compact: bool = True):
+                 compact: bool = True, tools: Toolbox | None = None, encode: Callable[[str], list[int]] | None = None):
         """role: a megarl Role (or its model, possibly DDP / Float16Module wrapped) with an LM head.
         vocab_size: the true vocabulary (padded columns are never sampled).
         max_batch_size: rows per KV cache (micro-batch); the cache is freed after each.
         max_seq_len: longest prompt + response; default the model's max_position_embeddings.
         pp_microbatches: at PP > 1, pipeline micro-batches per step (default: PP size).
-        compact: drop finished rows from the KV cache once half of the rows are done."""
+        compact: drop finished rows from the KV cache once half of the rows are done.
+        tools: a Toolbox (tools + max calls per sample); needs decode and encode (observation text -> ids)."""
         self.chunks = _model_chunks(role)
         self.model = self.chunks[0]
         self.gpt = _unwrap(self.model)
@@ -96,6 +128,10 @@ class MegatronRolloutEngine(RolloutEngine):
         self.pp_microbatches = pp_microbatches or self.config.pipeline_model_parallel_size
         self.device = next(self.gpt.parameters()).device
         self.compact = compact
+        self.tools = tools if tools is not None and tools.tools else None
+        self.encode = encode
+        if self.tools is not None and (decode is None or encode is None):
+            raise ValueError("MegatronRolloutEngine(tools=...) needs decode and encode functions (the tokenizer's)")
 
     # ------------------------------------------------------------------ public
 
@@ -113,8 +149,11 @@ class MegatronRolloutEngine(RolloutEngine):
         responses: list = [None] * N
         logprobs: list = [None] * N
         stopped = torch.zeros(N, dtype=torch.bool)
+        extras: dict = {k: [None] * N for k in _ROW_EXTRAS}
         stats = {"prefill_s": 0.0, "decode_s": 0.0, "forwards": 0, "kv_cache_bytes": 0, "kv_cache_tokens": 0,
                  "batches": 0, "compactions": 0}
+        if self.tools is not None:
+            stats["tool_s"] = 0.0
         with _inference_mode(self.chunks, self.gpt):
             for b0 in range(0, N, self.max_batch_size):
                 batch = order[b0: b0 + self.max_batch_size]
@@ -123,8 +162,10 @@ class MegatronRolloutEngine(RolloutEngine):
                                            params, seed, stats)
                 for k, r in enumerate(batch):
                     responses[r], logprobs[r], stopped[r] = out[0][k], out[1][k], out[2][k]
+                    for name in _ROW_EXTRAS:
+                        extras[name][r] = out[3][name][k]
                 stats["batches"] += 1
-        return self._assemble(rows, responses, logprobs, stopped, stats)
+        return self._assemble(rows, responses, logprobs, stopped, stats, extras)
 
     # ------------------------------------------------------------------ checks
 
@@ -170,6 +211,8 @@ class MegatronRolloutEngine(RolloutEngine):
         resp_len = torch.zeros(B, dtype=torch.long)
         done = torch.zeros(B, dtype=torch.bool)
         stopped = torch.zeros(B, dtype=torch.bool)
+        rt = _RowTools(B, T) if self.tools is not None else None
+        scan_from = rt.scan_from if rt is not None else [0] * B  # response index after the last observation
 
         ctx = StaticInferenceContext(B, S)
         ctx.materialize_only_last_token_logits = True
@@ -189,19 +232,30 @@ class MegatronRolloutEngine(RolloutEngine):
                 stats["prefill_s" if t == 0 else "decode_s"] += time.perf_counter() - t0
                 stats["forwards"] += 1
 
+                if rt is not None:
+                    ids, lps = rt.force(active, ids, lps, t)  # queued observation tokens replace samples
                 live = ~done[active]  # [A]
                 rows = active[live]
                 out_ids[rows, t] = ids[live]
                 out_lp[rows, t] = lps[live]
                 resp_len[rows] += 1
                 hit = torch.isin(ids[live], stop_ids)
+                if rt is not None:
+                    hit &= ~rt.observed[rows, t]  # an observation never ends a row
                 if params.stop_strings:
                     for k in torch.nonzero(~hit).flatten().tolist():
-                        text = self.decode(out_ids[rows[k], : t + 1].tolist())
+                        if rt is not None and rt.observed[rows[k], t]:
+                            continue
+                        text = self.decode(out_ids[rows[k], scan_from[int(rows[k])]: t + 1].tolist())
                         if any(s_ in text for s_ in params.stop_strings):
                             hit[k] = True
                 stopped[rows[hit]] = True
                 done[rows[hit]] = True
+                if rt is not None and t + 1 < T:
+                    t1 = time.perf_counter()
+                    ends = self._tool_calls(rt, rows[~hit], out_ids, t)
+                    done[ends] = True
+                    stats["tool_s"] += time.perf_counter() - t1
                 if bool(done.all()):
                     break
                 alive = ~done[active]  # [A]
@@ -216,7 +270,67 @@ class MegatronRolloutEngine(RolloutEngine):
             ctx.key_value_memory_dict.clear()  # free the cache now, not at the next GC
         responses = [out_ids[b, : resp_len[b]].tolist() for b in range(B)]
         logprobs = [out_lp[b, : resp_len[b]] for b in range(B)]
-        return responses, logprobs, stopped.tolist()
+        extras = rt.rows(resp_len) if rt is not None else {
+            "observed": [torch.zeros(int(n), dtype=torch.bool) for n in resp_len], "calls": [0] * B,
+            "errors": [0] * B, "timeouts": [0] * B, "hit_limit": [False] * B}
+        return responses, logprobs, stopped.tolist(), extras
+
+    # ------------------------------------------------------------------ tools
+
+    def _tool_calls(self, rt: "_RowTools", rows: torch.Tensor, out_ids: torch.Tensor, t: int) -> torch.Tensor:
+        """Rows (batch indices) whose token at step t closed a tool call: run the calls, queue their
+        observations; returns the rows that end on the call limit."""
+        box = self.tools
+        pending, ends = [], []
+        for r in rows.tolist():
+            if rt.observed[r, t]:
+                continue
+            lo = rt.scan_from[r]
+            tail = self.decode(out_ids[r, max(lo, t + 1 - box.tail_chars): t + 1].tolist())
+            if not any(tool.call_close in tail for tool in box.tools):  # cheap test before the full scan
+                continue
+            call = box.find_call(self.decode(out_ids[r, lo: t + 1].tolist()))
+            if call is None:
+                continue
+            if rt.calls[r] >= box.max_calls:
+                rt.hit_limit[r] = True
+                ends.append(r)
+                continue
+            pending.append((r, call))
+        if pending:
+            observations = self._run_tools([c for _, c in pending])
+            for (r, _), (ids, status) in zip(pending, observations):
+                rt.queue(r, ids, status, t)
+        return torch.tensor(ends, dtype=torch.long)
+
+    def _run_tools(self, calls) -> list[tuple[list[int], str]]:
+        """(observation ids, status) per call, identical on every rank of the model-parallel group:
+        the group's first rank runs the tools and broadcasts the tokens."""
+        group = _model_parallel_group()
+        src = dist.get_global_rank(group, 0) if group is not None else None
+        if group is None or dist.get_rank() == src:
+            results = self.tools.run(calls)
+            out = [([int(i) for i in self.encode(res.text)], res.status) for res in results]
+        if group is None:
+            return out
+        codes = {s: k for k, s in enumerate(_STATUSES)}
+        head = torch.zeros(2 * len(calls) + 1, dtype=torch.long)  # [lengths..., statuses..., total]
+        if dist.get_rank() == src:
+            head[: len(calls)] = torch.tensor([len(ids) for ids, _ in out])
+            head[len(calls): 2 * len(calls)] = torch.tensor([codes[s] for _, s in out])
+            head[-1] = sum(len(ids) for ids, _ in out)
+        head = head.to(self.device)
+        dist.broadcast(head, src=src, group=group)
+        head = head.cpu()
+        flat = torch.zeros(int(head[-1]), dtype=torch.long)
+        if dist.get_rank() == src and len(flat):
+            flat = torch.tensor([i for ids, _ in out for i in ids], dtype=torch.long)
+        if len(flat):
+            flat = flat.to(self.device)
+            dist.broadcast(flat, src=src, group=group)
+            flat = flat.cpu()
+        pieces = torch.split(flat, head[: len(calls)].tolist())
+        return [(p.tolist(), _STATUSES[int(c)]) for p, c in zip(pieces, head[len(calls): 2 * len(calls)])]
 
     def _sample(self, logits, params, seed, sample_ids, step):
         """Last-position logits [b, 1|s, V_pad] (full vocabulary on every TP rank) -> ids, log-probs [b]."""
@@ -271,7 +385,7 @@ class MegatronRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ result
 
-    def _assemble(self, rows, responses, logprobs, stopped, stats) -> Rollout:
+    def _assemble(self, rows, responses, logprobs, stopped, stats, extras) -> Rollout:
         N = len(rows)
         prompt_lens = torch.tensor([len(p) for p in rows], dtype=torch.long)
         response_lens = torch.tensor([len(r) for r in responses], dtype=torch.long)
@@ -284,7 +398,63 @@ class MegatronRolloutEngine(RolloutEngine):
             tokens[i, len(p): len(p) + len(r)] = torch.tensor(r, dtype=torch.long)
             lp[i, : len(r)] = logprobs[i]
         mask = torch.arange(R)[None, :] < response_lens[:, None]
-        return Rollout(tokens, prompt_lens, response_lens, lp, mask, stopped, stats)
+        sampled = mask.clone()
+        for i, observed in enumerate(extras["observed"]):
+            sampled[i, : len(observed)] &= ~observed
+        counts = {k: torch.tensor(extras[k], dtype=torch.long) for k in ("calls", "errors", "timeouts")}
+        return Rollout(tokens, prompt_lens, response_lens, lp, mask, stopped, stats, sampled_mask=sampled,
+                       tool_calls=counts["calls"], tool_errors=counts["errors"], tool_timeouts=counts["timeouts"],
+                       observation_tokens=(mask & ~sampled).sum(1), hit_call_limit=torch.tensor(extras["hit_limit"],
+                                                                                                 dtype=torch.bool))
+
+
+_ROW_EXTRAS = ("observed", "calls", "errors", "timeouts", "hit_limit")
+_STATUSES = ("ok", ERROR, TIMEOUT)
+
+
+class _RowTools:
+    """Per-row tool state of one KV-cache batch: observation queues, counters, scan positions."""
+
+    def __init__(self, B: int, T: int):
+        self.T = T
+        self.pending: list[list[int]] = [[] for _ in range(B)]  # forced tokens still to feed, per row
+        self.observed = torch.zeros(B, T, dtype=torch.bool)  # [B, T] True = a forced (observation) token
+        self.scan_from = [0] * B  # response index just after the row's last observation
+        self.calls, self.errors, self.timeouts = [0] * B, [0] * B, [0] * B
+        self.hit_limit = [False] * B
+
+    def force(self, active, ids, lps, t):
+        """ids, lps [A] of the active rows with each row's next queued token in place of its sample."""
+        forced = [(a, r) for a, r in enumerate(active.tolist()) if self.pending[r]]
+        if not forced:
+            return ids, lps
+        ids, lps = ids.clone(), lps.clone()
+        for a, r in forced:
+            ids[a] = self.pending[r].pop(0)
+            lps[a] = 0.0
+            self.observed[r, t] = True
+        return ids, lps
+
+    def queue(self, r: int, ids: list[int], status: str, t: int):
+        self.pending[r] = list(ids)
+        self.calls[r] += 1
+        self.errors[r] += int(status != "ok")
+        self.timeouts[r] += int(status == TIMEOUT)
+        self.scan_from[r] = t + 1 + len(ids)  # the next call is looked for after this observation
+
+    def rows(self, resp_len) -> dict:
+        return {"observed": [self.observed[b, : int(n)].clone() for b, n in enumerate(resp_len)],
+                "calls": self.calls, "errors": self.errors, "timeouts": self.timeouts, "hit_limit": self.hit_limit}
+
+
+def _model_parallel_group():
+    """This rank's TP x PP group when it has more than one rank (else None: nothing to share)."""
+    if not dist.is_initialized():
+        return None
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_model_parallel_group(check_initialized=False)
+    return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
 def _cpu_shim_suspended():

@@ -1,0 +1,141 @@
+"""Tools: the calculator against Python's own arithmetic, hostile inputs refused fast, the python
+tool's limits, user tools and the call finder."""
+import fractions
+import time
+
+import pytest
+
+from megarl.rollout.tools import (Calculator, FunctionTool, PythonTool, Toolbox, ToolError, build_tools, calculate,
+                                  format_number)
+
+TABLE = ["48/2", "48+24", "12/60", "0.2*50", "100/2", "2**10", "-(3+4)*2", "7//2", "-7//2", "7%3", "-7%3",
+         "2**-2", "(1+2)*(3+4)", "1,000*3", " 3 + 4 ", "2**0.5", "10/4", "1e3+1", "+5", "123456789*987654321",
+         "3.5%2", "2**332", "(((((1)))))"]
+
+
+@pytest.mark.parametrize("expr", TABLE)
+def test_calculator_agrees_with_python(expr):
+    want = compile(expr.replace(",", "").strip(), "<table>", "eval")  # the test's reference is Python itself
+    value = eval(want, {"__builtins__": {}})  # noqa: S307 - trusted table above
+    assert calculate(expr) == format_number(value)
+
+
+def test_calculator_formats_like_gsm8k():
+    assert calculate("48/2") == "24" and calculate("12/60") == "0.2" and calculate("10/3") == "3.333333333"
+    assert calculate("123456789*987654321") == str(123456789 * 987654321)
+    assert Calculator().call("48/2").text == "24>>"
+    assert fractions.Fraction(calculate("1/8")) == fractions.Fraction(1, 8)
+
+
+HOSTILE = ["9**9**9", "10**1000000", "2**100000000", "(-9)**(9**9)", "1" * 10 ** 6, "(" * 5000 + "1" + ")" * 5000,
+           "-" * 10**5 + "1", "().__class__", "(1).real", "x", "x+1", "__import__('os').system('true')",
+           "open('/etc/passwd')", "[1]*10**9", "'a'*10**9", "lambda: 1", "1 if 1 else 2", "1<2", "1/0", "0**-1",
+           "5%0", "1e308*10", "1.5**100000", "(-8)**0.5", "", "   ", "1+", "1;2", "a=1", "10**99*10**99",
+           "9"*99 + "*" + "9"*99, "1j", "True+1", "b'1'", "...", "{1:2}"]
+
+
+@pytest.mark.parametrize("expr", HOSTILE)
+def test_calculator_refuses_hostile_input_fast(expr):
+    t0 = time.perf_counter()
+    result = Calculator().call(expr)
+    elapsed = time.perf_counter() - t0
+    assert result.status == "error" and result.text.startswith("error: ") and result.text.endswith(">>"), result
+    assert elapsed < 0.05, f"{expr[:40]!r} took {elapsed * 1e3:.1f} ms"
+    with pytest.raises(ToolError):
+        calculate(expr)
+
+
+def test_output_cap_and_exceptions_become_observations():
+    tool = FunctionTool(lambda s: s * 100, name="echo", max_output_chars=10)
+    r = tool.call("ab")
+    assert r.status == "ok" and r.text == "<output>abababababab</output>"[:8] + "ababababab</output>"
+
+    def boom(arg):
+        raise KeyError(arg)
+
+    r = FunctionTool(boom).call("k")
+    assert r.status == "error" and r.text == "<output>error: KeyError: 'k'</output>"
+
+    def slow(arg):
+        time.sleep(5)
+
+    t0 = time.perf_counter()
+    r = FunctionTool(slow, timeout_s=0.1).call("")
+    assert r.status == "timeout" and "timed out after 0.1s" in r.text and time.perf_counter() - t0 < 1
+
+
+def test_find_call_protocol():
+    box = Toolbox([Calculator(), FunctionTool(str.upper, name="up")], max_calls=2)
+    assert box.find_call("so 48/2 = <<48/2") is None
+    call = box.find_call("so 48/2 = <<48/2=")
+    assert call.tool.name == "calculator" and call.argument == "48/2" and call.end == len("so 48/2 = <<48/2=")
+    assert box.find_call("3+4=7, <<1+<<2*3=").argument == "2*3"  # the innermost open before the close
+    assert box.find_call("<up>hi</up> then <<1=").tool.name == "up"  # the first call closed wins
+    assert box.find_call("=<<") is None
+    with pytest.raises(ValueError, match="overlap"):
+        Toolbox([Calculator(), FunctionTool(str.upper, name="<x")])
+
+
+def test_build_tools_specs(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text("def shout(s):\n    return s.upper()\nNOT_CALLABLE = 3\n")
+    tools = build_tools(["calculator", f"{path}:shout"], timeout_s=1.0, max_output_chars=50)
+    assert [t.name for t in tools] == ["calculator", "shout"] and tools[1].call("a").text == "<output>A</output>"
+    assert tools[0].timeout_s == 1.0 and tools[1].max_output_chars == 50
+    for spec, msg in [("python", "enable it explicitly"), ("nope", "unknown tool 'nope'"),
+                      (f"{path}:missing", "has no attribute 'missing'"), (f"{path}:NOT_CALLABLE", "is not callable"),
+                      ("no_such_module_xyz:f", "cannot import"), ("", "built-in name")]:
+        with pytest.raises(ValueError, match=msg):
+            build_tools([spec])
+    with pytest.raises(ValueError, match="clashing names"):
+        build_tools(["calculator", "calculator"])
+    assert [t.name for t in build_tools(["python"], python=True)] == ["python"]
+
+
+# ------------------------------------------------------------------ python tool
+
+@pytest.fixture(scope="module")
+def python_tool():
+    return PythonTool(timeout_s=2.0, max_output_chars=200, memory_mb=256)
+
+
+def test_python_tool_runs_code(python_tool):
+    r = python_tool.call("import math\nprint(math.factorial(10))")
+    assert r.status == "ok" and r.text == "<output>3628800\n</output>"
+    r = python_tool.call("print('partial')\nraise ValueError('bad input')")
+    assert r.status == "error" and r.text == "<output>partial\nerror: ValueError: bad input</output>"
+    print(f"\n[python tool] network isolation: {python_tool.network_isolation}")
+
+
+@pytest.mark.parametrize("name,code,status,needle", [
+    ("while True", "while True:\n    pass", "timeout", "timed out after 2s"),
+    ("10 GiB", "x = bytearray(10 * 2**30)\nprint(len(x))", "error", "MemoryError"),
+    ("fork bomb", "import os\nwhile True:\n    os.fork()", "error", "os.fork is not allowed"),
+    ("subprocess", "import subprocess\nsubprocess.run(['sh', '-c', ':(){ :|:& };:'])", "error", "not allowed"),
+    ("network", "import socket\ns = socket.create_connection(('1.1.1.1', 80), timeout=1)\nprint('connected')",
+     "error", "not allowed"),
+    ("huge output", "print('x' * 10**8)", "error", "File too large"),
+    ("sleep", "import time\ntime.sleep(60)", "timeout", "timed out"),
+])
+def test_python_tool_limits(python_tool, name, code, status, needle):
+    t0 = time.perf_counter()
+    r = python_tool.call(code)
+    elapsed = time.perf_counter() - t0
+    assert r.status == status and needle in r.text, (name, r)
+    assert "connected" not in r.text and len(r.text) <= 200 + len("<output></output>")
+    assert elapsed < python_tool.timeout_s + 1.0, f"{name} took {elapsed:.1f}s"
+
+
+def test_python_tool_network_namespace_has_no_route(python_tool):
+    """Under `unshare -n` even code that gets past the audit hook has no network: the namespace
+    has no interface but a down loopback."""
+    if python_tool.network_isolation != "unshare -n":
+        pytest.skip("unshare -n is not usable here (not root or not permitted); the audit hook is the network block")
+    import subprocess
+    import sys
+
+    out = subprocess.run(["unshare", "-n", "--", sys.executable, "-c",
+                          "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=1)\n"
+                          "    print('connected')\nexcept OSError as e:\n    print('blocked', e.errno)"],
+                         capture_output=True, text=True, timeout=10)
+    assert out.stdout.startswith("blocked"), out
