@@ -136,30 +136,6 @@ def main():
               f"| {gbs[move][0] / gbs[fair][0]:.0%} |")
     for k in ("copy out", "copy in", "copy out+free", "alloc+copy in"):
         print(f"| plain {k} | {gbs[k][0]:.2f} | {gbs[k][1]:.2f} | | |")
-    if not cuda:
-        _reference_swap(args, role, timed)
-
-
-def _reference_swap(args, actor, timed):
-    """One use of the reference: a separate frozen role onloaded then offloaded, vs the reference
-    weights swapped into the resident actor and back (slime's way)."""
-    from megarl.roles import offload
-    from megarl.roles.role import Role
-
-    reference = Role("reference", actor.model_cfg, actor.parallel, precision=actor.precision)
-    weights = offload.HostWeights(actor)
-    offload.offload(reference)
-    separate, swapped = [], []
-    for rep in range(args.reps + 1):
-        t = timed(lambda: (offload.onload(reference), offload.offload(reference)))
-        u = timed(lambda: (weights.swap(actor), weights.swap(actor)))
-        if rep:
-            separate.append(t)
-            swapped.append(u)
-    print(f"\nreference use ({weights.nbytes / 1e6:.0f} MB of params): separate frozen role onload+offload "
-          f"best {min(separate) * 1e3:.1f} ms (median {statistics.median(separate) * 1e3:.1f}), extra device bytes "
-          f"while scoring {weights.nbytes / 1e6:.0f} MB; swap in+out of the actor best {min(swapped) * 1e3:.1f} ms "
-          f"(median {statistics.median(swapped) * 1e3:.1f}), extra device bytes 0, host bytes x2.")
 
 
 if __name__ == "__main__":

@@ -5,10 +5,9 @@ import pytest
 import torch
 from dist_helpers import run_distributed
 
-from megarl.algorithms import (AGG_MODES, AdaptiveKLController, FixedKLController, RunningRewardNorm,
-                               broadcast_to_tokens, clip_rewards, explained_variance, gae_advantages,
-                               grpo_advantages, kl_estimate, normalize_rewards, ppo_policy_loss,
-                               reinforce_advantages, reinforce_pp_advantages, rloo_advantages,
+from megarl.algorithms import (AGG_MODES, AdaptiveKLController, FixedKLController, broadcast_to_tokens,
+                               clip_rewards, explained_variance, gae_advantages, grpo_advantages, kl_estimate,
+                               ppo_policy_loss, reinforce_advantages, reinforce_pp_returns, rloo_advantages,
                                token_rewards, value_loss, whiten)
 
 torch.set_num_threads(1)
@@ -117,14 +116,23 @@ def ref_returns(r, mask, gamma):
 
 
 def test_reinforce_pp_is_whitened_discounted_return():
+    """REINFORCE++ through its spec: the return-to-go, whitened over the batch by default."""
+    from megarl.algorithms import ALGORITHMS, AdvantageSettings, compute_advantages
+
     g = gen(2)
     B, T, gamma = 6, 11, 0.9
     mask = right_padded_mask(B, T, g, min_len=2)
     mask[1, 1] = False
     scores = torch.randn(B, generator=g)
-    r = token_rewards(scores, mask, torch.rand(B, T, generator=g) * 0.05)
-    adv = reinforce_pp_advantages(r, mask, gamma)
+    penalty = torch.rand(B, T, generator=g) * 0.05
+    r = token_rewards(scores, mask, penalty)
+    adv, _ = compute_advantages(ALGORITHMS["reinforce_pp"], scores, mask, AdvantageSettings(2, gamma=gamma),
+                                kl_penalty=penalty)
     ret = ref_returns(r.double(), mask, gamma)
+    raw = reinforce_pp_returns(r, mask, gamma)
+    for b in range(B):
+        for t in range(T):
+            assert raw[b, t].item() == pytest.approx(ret[b][t], rel=1e-5, abs=1e-5)
     vals = [ret[b][t] for b in range(B) for t in range(T) if mask[b, t]]
     mean = sum(vals) / len(vals)
     std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
@@ -153,27 +161,11 @@ def test_gae_advantages_against_loop():
             a_next, v_next = a, v[b, t].item()
 
 
-def test_reward_clipping_and_normalisation():
+def test_reward_clipping():
     g = gen(4)
     x = torch.randn(50, generator=g) * 4
     assert torch.equal(clip_rewards(x, 2.0), x.clamp(-2, 2)) and clip_rewards(x, None) is x
-    vals = x.tolist()
-    mean = sum(vals) / len(vals)
-    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
-    assert normalize_rewards(x)[7].item() == pytest.approx((vals[7] - mean) / std, rel=1e-5)
-    # running statistics over three batches equal the statistics of their concatenation
-    norm = RunningRewardNorm()
-    batches = [torch.randn(n, generator=g) * 2 + 1 for n in (5, 9, 3)]
-    for bt in batches[:2]:
-        norm.update(bt)
-    resumed = RunningRewardNorm()
-    resumed.load_state_dict(norm.state_dict())
-    out = resumed.normalize(batches[2])
-    allv = [v for bt in batches for v in bt.tolist()]
-    mean = sum(allv) / len(allv)
-    std = math.sqrt(sum((v - mean) ** 2 for v in allv) / len(allv))
-    assert resumed.count == len(allv) and resumed.mean == pytest.approx(mean, rel=1e-12)
-    assert out[1].item() == pytest.approx((batches[2][1].item() - mean) / std, rel=1e-5)
+
 
 
 # ------------------------------------------------------------------------------ KL
@@ -399,28 +391,19 @@ def _dp_body(rank, world_size):
     rows = slice(0, 3) if rank == 0 else slice(3, 7)            # uneven split of the batch
     grp = dist.group.WORLD
     out = {"whiten": whiten(x[rows], mask[rows], group=grp),
-           "rpp": reinforce_pp_advantages(x[rows], mask[rows], 0.95, group=grp),
-           "norm": normalize_rewards(scores[rows], group=grp),
+           "rpp": whiten(reinforce_pp_returns(x[rows], mask[rows], 0.95), mask[rows], group=grp),
            "ev": explained_variance(v[rows], x[rows], mask[rows], group=grp)}
-    norm = RunningRewardNorm()
-    norm.update(scores[rows], group=grp)
-    out["running"] = norm.state_dict()
     return out
 
 
 def test_statistics_over_data_parallel_ranks_equal_the_whole_batch():
     x, v, mask, scores = _stats_inputs()
-    full = {"whiten": whiten(x, mask), "rpp": reinforce_pp_advantages(x, mask, 0.95),
-            "norm": normalize_rewards(scores), "ev": explained_variance(v, x, mask)}
+    full = {"whiten": whiten(x, mask), "rpp": whiten(reinforce_pp_returns(x, mask, 0.95), mask),
+            "ev": explained_variance(v, x, mask)}
     local = whiten(x[:3], mask[:3])
     assert not torch.allclose(local, full["whiten"][:3], atol=1e-3)   # a local whitening would differ
     ranks = run_distributed(_dp_body, 2)
     for rank, rows in ((0, slice(0, 3)), (1, slice(3, 7))):
-        for key in ("whiten", "rpp", "norm"):
+        for key in ("whiten", "rpp"):
             assert torch.allclose(ranks[rank][key], full[key][rows], rtol=1e-6, atol=1e-6), key
         assert ranks[rank]["ev"].item() == pytest.approx(full["ev"].item(), rel=1e-12)
-        running = RunningRewardNorm()
-        running.update(scores)
-        assert ranks[rank]["running"]["count"] == 7
-        assert ranks[rank]["running"]["mean"] == pytest.approx(running.mean, rel=1e-12)
-        assert ranks[rank]["running"]["m2"] == pytest.approx(running.m2, rel=1e-12)

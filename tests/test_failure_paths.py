@@ -209,7 +209,7 @@ def test_resume_after_kill_logs_one_point_per_step(tmp_path):
 def _failing_stages(rank, world, run_dirs):
     """One stage that fails and one that is pre-empted, each in its own run dir."""
     from megarl.config import load_config
-    from megarl.trainers.loop import Preempted
+    from megarl.trainers.stops import Preempted
     from megarl.trainers.session import stage_session
 
     for run_dir, error in zip(run_dirs, (RuntimeError("boom"), Preempted("pre-empted"))):

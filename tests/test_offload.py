@@ -199,7 +199,7 @@ def test_training_with_offload_cycles_is_bit_identical(tmp_path, tp, pp):
 
 def _misc_body(rank, world):
     from megarl.roles.offload import OffloadedError, residency
-    from megarl.roles.residency import PhaseScheduler
+    from megarl.roles.phases import PhaseScheduler
     from megarl.runtime.distributed import init_distributed, teardown
 
     init_distributed(1, 1, seed=11)
@@ -247,28 +247,6 @@ def _misc_body(rank, world):
         _cycle_checks(h16, checks, f"fp16 step {step}")
     checks["fp16_same"] = [("fp16", _digest(h16) == _digest(ref16))]
     out["cycle_checks"] = checks
-
-    # slime's reference: the initial weights in host memory, swapped into the trained actor.
-    from megarl.roles.offload import HostWeights
-
-    actor, reference = _role("swap_actor", seed=1), _role("swap_reference", trained=False, seed=1)
-    weights = HostWeights(actor)
-    actor.train_step(_mbs(0), _lm_loss)
-    trained = _digest(actor)
-    collect = lambda b, logits: logits.float().clone()  # noqa: E731
-    want = reference.forward_collect(_mbs(1), collect)
-    own = actor.forward_collect(_mbs(1), collect)
-    weights.swap(actor)
-    got = actor.forward_collect(_mbs(1), collect)
-    weights.swap(actor)
-    out["swap_matches_reference"] = all(torch.equal(a, b) for a, b in zip(want, got))
-    out["swap_differs_from_actor"] = not all(torch.equal(a, b) for a, b in zip(want, own))
-    out["swap_restores_actor"] = _digest(actor) == trained
-    out["swap_bad_layout"] = None
-    try:
-        weights.swap(_role("other", head="scalar"))
-    except ValueError as e:
-        out["swap_bad_layout"] = str(e)
 
     # Peak: four roles, each resident only in its phases.
     roles = {"actor": _role("actor", seed=1), "critic": _role("critic", head="scalar", seed=2),
@@ -324,8 +302,6 @@ def test_guards_frozen_fp16_and_peak():
                 "frozen_eval_raises"):
         assert out[key] and "offloaded" in out[key] and "onload" in out[key], (key, out[key])
     assert out["eval_without_grads"] > 0 and out["guards_removed"] > 0
-    assert out["swap_matches_reference"] and out["swap_differs_from_actor"] and out["swap_restores_actor"]
-    assert out["swap_bad_layout"] and "layout differs" in out["swap_bad_layout"]
     for key, results in out["cycle_checks"].items():
         assert all(ok for _, ok in results), (key, results)
     assert out["frozen_kinds"]["params"] > 0 and out["frozen_kinds"]["grads"] == out["frozen_kinds"]["optimizer"] == 0

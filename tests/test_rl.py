@@ -107,6 +107,29 @@ def test_every_layout_runs_the_same_ppo_steps(tmp_path):
                 assert a[k] == pytest.approx(b[k], **tol), (name, k, a[k], b[k])
 
 
+DAPO = ("train.steps=3", "rl.prompts_per_step=4", "rl.samples_per_prompt=4", "rl.reward_fn=rl_rewards:digits",
+        "rl.dynamic_sampling=true", "rl.max_resample_rounds=3", "rl.overlong=soft", "rl.overlong_buffer=4",
+        "optim.lr=1e-3", "checkpoint.save_interval=0")
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_is_the_same_at_dp2_as_one_process(tmp_path):
+    """DAPO's dynamic sampling replaces groups without signal by groups of further prompts; which
+    groups are kept, and so the step, does not depend on the DP size."""
+    results = {}
+    for name, nproc in (("dp1", 1), ("dp2", 2)):
+        run_rl(rl_args(tmp_path / name, *DAPO), nproc=nproc)
+        results[name] = deterministic(metrics(tmp_path / name / "rl"))
+    ref, got = results["dp1"], results["dp2"]
+    assert any(r["rollout/filtered_fraction"] > 0 and r["rollout/sampling_rounds"] > 1 for r in ref), ref
+    assert all(r["reward/overlong_penalty_mean"] < 0 for r in ref)  # 8 new tokens, a buffer of 4
+    for a, b in zip(got, ref):
+        assert a.keys() == b.keys()
+        for k in b:
+            if k != "train/padding_waste":  # a property of each rank's micro-batches
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), (k, a[k], b[k])
+
+
 # ------------------------------------------------------------------------------ resume
 
 
@@ -141,24 +164,31 @@ def test_sigkill_mid_run_then_resume_is_bit_exact(tmp_path):
 
 def _overfit_body(rank, world_size, run_dir):
     from megarl.config import load_config
+    from megarl.roles.phases import PhaseClock
     from megarl.runtime.distributed import init_distributed
     from megarl.trainers.rl import RLStage
 
     cfg = load_config("configs/tiny_grpo.yaml", [f"train.run_dir={run_dir}", *TINY_RL, "rl.prompts_per_step=4",
                                                   "rl.samples_per_prompt=4", "rl.reward_fn=rl_rewards:digits",
-                                                  "optim.lr=3e-3", "rl.mini_batches=1", "rl.clip_high=0.2"])
+                                                  "optim.lr=3e-3", "rl.mini_batches=1", "rl.clip_high=0.2",
+                                                  "rl.overlong=filter"])
     init_distributed(1, 1, seed=cfg.train.seed)
     stage = RLStage(cfg, str(run_dir / "rl"))
-    stage.metrics, stage.timings = {}, {}
-    exp, rollout = stage.make_experience(0)
-    # rl.old_logprobs=rollout: the engine's log-probs of the sampled tokens, in the label columns,
-    # equal the recomputed ones (temperature 1, no top-k/top-p)
-    torch.testing.assert_close(rollout.logprobs[rollout.response_mask], exp.old_logp[exp.mask], atol=2e-5, rtol=0)
+    clock = PhaseClock(stage.phases)
+    exp, _ = stage.generate(0, clock)  # the phases hand their results on
+    full_mask = exp.mask.clone()
+    # a random model never stops by itself: say half the rows did, so rl.overlong=filter keeps them
+    # in the loss and masks out the others (cut at max_new_tokens)
+    exp.stopped = torch.arange(exp.tokens.shape[0]) % 2 == 0
+    metrics = stage.advantages(exp, stage.score(exp, clock), clock)
+    # rl.old_logprobs=recompute: the actor's recomputed log-probs equal the engine's own log-probs
+    # of the sampled tokens, in the label columns (temperature 1, no top-k/top-p)
+    torch.testing.assert_close(exp.rollout_logp[full_mask], exp.old_logp[full_mask], atol=2e-5, rtol=0)
     losses = []
     for epoch in range(6):  # the same batch, again and again: the clipped surrogate must fall
         out = stage._train(stage.actor, exp, stage._policy_loss(), 0, "actor")
         losses.append(out["actor/pg_loss"])
-    return exp, rollout, losses
+    return exp, full_mask, metrics, clock.metrics(), losses
 
 
 def test_surrogate_falls_on_a_fixed_batch_and_masks_mark_responses(tmp_path, monkeypatch):
@@ -166,17 +196,20 @@ def test_surrogate_falls_on_a_fixed_batch_and_masks_mark_responses(tmp_path, mon
 
     monkeypatch.chdir(os.path.dirname(HERE))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    (exp, rollout, losses), = run_distributed(_overfit_body, 1, tmp_path)
+    (exp, full_mask, metrics, timing, losses), = run_distributed(_overfit_body, 1, tmp_path)
     assert losses[-1] < losses[0] - 1e-4, losses
+    assert metrics["finite"] and {"perf/generate_s", "perf/score_rule_s", "perf/score_actor_s",
+                                  "perf/advantages_s"} <= timing.keys()
     # the action mask covers exactly the response tokens, shifted by one (column t predicts t+1)
     for i in range(exp.tokens.shape[0]):
-        p, r = int(rollout.prompt_lens[i]), int(rollout.response_lens[i])
-        cols = exp.mask[i].nonzero().flatten().tolist()
+        p, r = int(exp.prompt_lens[i]), exp.lengths[i] - int(exp.prompt_lens[i])
+        cols = full_mask[i].nonzero().flatten().tolist()
         assert cols == list(range(p - 1, p + r - 1))
         assert torch.equal(exp.labels[i, p - 1:p + r - 1], exp.tokens[i, p:p + r])
-        assert exp.lengths[i] == p + r
+    # rl.overlong=filter: responses cut at max_new_tokens leave the loss, the others stay whole
+    assert torch.equal(exp.mask, full_mask & exp.stopped[:, None])
     assert torch.isfinite(exp.advantages).all() and (exp.advantages[~exp.mask] == 0).all()
-    assert (exp.old_logp[exp.mask] < 0).all()
+    assert (exp.old_logp[full_mask] < 0).all()
 
 
 def test_plan_microbatches_respects_the_token_budget():

@@ -1,15 +1,18 @@
-"""The learning rules as pure functions: tensors in, tensors out (see losses.py)."""
-from .advantages import (RunningRewardNorm, broadcast_to_tokens, clip_rewards, gae_advantages,
-                         grpo_advantages, normalize_rewards, reinforce_advantages,
-                         reinforce_pp_advantages, rloo_advantages, token_rewards, whiten)
+"""The learning rules as pure functions: tensors in, tensors out (see losses.py); each RL
+algorithm is defined once in spec.py."""
+from .advantages import (broadcast_to_tokens, clip_rewards, gae_advantages, grpo_advantages, reinforce_advantages,
+                         reinforce_pp_returns, rloo_advantages, token_rewards, whiten)
+from .dapo import groups_with_signal, overlong_penalty
 from .kl import KL_KINDS, AdaptiveKLController, FixedKLController, kl_estimate
 from .losses import bradley_terry, masked_mse, masked_nll
 from .policy import AGG_MODES, aggregate, explained_variance, ppo_policy_loss, value_loss
+from .spec import (ALGORITHMS, FIELD_USERS, AdvantageSettings, AlgorithmSpec, algorithm, compute_advantages,
+                   config_errors, needed_roles)
 
 __all__ = [
-    "AGG_MODES", "KL_KINDS", "AdaptiveKLController", "FixedKLController", "RunningRewardNorm",
-    "aggregate", "bradley_terry", "broadcast_to_tokens", "clip_rewards", "explained_variance",
-    "gae_advantages", "grpo_advantages", "kl_estimate", "masked_mse", "masked_nll",
-    "normalize_rewards", "ppo_policy_loss", "reinforce_advantages", "reinforce_pp_advantages",
-    "rloo_advantages", "token_rewards", "value_loss", "whiten",
+    "AGG_MODES", "ALGORITHMS", "FIELD_USERS", "KL_KINDS", "AdaptiveKLController", "AdvantageSettings",
+    "AlgorithmSpec", "FixedKLController", "aggregate", "algorithm", "bradley_terry", "broadcast_to_tokens",
+    "clip_rewards", "compute_advantages", "config_errors", "explained_variance", "gae_advantages", "groups_with_signal",
+    "grpo_advantages", "kl_estimate", "masked_mse", "masked_nll", "needed_roles", "overlong_penalty", "ppo_policy_loss",
+    "reinforce_advantages", "reinforce_pp_returns", "rloo_advantages", "token_rewards", "value_loss", "whiten",
 ]

@@ -1,4 +1,6 @@
-"""Advantage estimators, rewards per token, whitening and reward normalisation.
+"""Advantage estimators, rewards per token, whitening and reward clipping.
+
+Which estimator an algorithm uses, and its whitening, is said once in spec.py.
 
 Sequence-level estimators (GRPO, RLOO, REINFORCE) take one score per response, laid out group
 by group: scores[g * group_size + i] is sample i of prompt g, the order the rollout returns.
@@ -72,17 +74,16 @@ def reinforce_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
     return (g - g.mean(1, keepdim=True)).view(-1).to(_float(scores))
 
 
-def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor,
-                            gamma: float = 1.0, *, group=None) -> torch.Tensor:
-    """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the batch's valid tokens.
+def reinforce_pp_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): the discounted return-to-go per token, [B, T], 0 where masked.
 
     token_rewards, mask: [B, T] (rewards typically from token_rewards(): score at the last token
-    minus the KL penalty). Returns advantages [B, T], 0 where masked. The return is GAE with
-    values 0 and lambda 1 (megarl.ops.gae), so a hole in the mask is skipped, not an end.
-    group: whiten over all ranks of this process group (the data-parallel group), see whiten().
+    minus the KL penalty). The return is GAE with values 0 and lambda 1 (megarl.ops.gae), so a
+    hole in the mask is skipped, not an end. REINFORCE++ then whitens it over the global batch
+    (spec.py applies whitening for every algorithm alike).
     """
     returns, _ = gae(token_rewards, torch.zeros_like(token_rewards), mask, gamma, 1.0)
-    return whiten(returns, mask, group=group)
+    return returns
 
 
 def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -153,7 +154,7 @@ def token_rewards(scores: torch.Tensor, response_mask: torch.Tensor,
     return out
 
 
-# ------------------------------------------------------------------ reward clipping / normalisation
+# ------------------------------------------------------------------ reward clipping
 
 def clip_rewards(x: torch.Tensor, clip: float | None) -> torch.Tensor:
     """Clamp rewards to [-clip, clip]; None or 0 leaves them unchanged."""
@@ -162,63 +163,6 @@ def clip_rewards(x: torch.Tensor, clip: float | None) -> torch.Tensor:
     if clip < 0:
         raise ValueError(f"reward clip must be > 0, got {clip}")
     return x.clamp(-clip, clip)
-
-
-def normalize_rewards(x: torch.Tensor, *, shift_mean: bool = True, eps: float = 1e-8,
-                      group=None) -> torch.Tensor:
-    """Batch normalisation of scores [N]: (x - mean) / (std + eps), population std; std only if not shift_mean.
-
-    group: take mean and std over all ranks of this process group (see whiten)."""
-    x64 = x.detach().double()
-    count, mean, m2 = _moments(x64.flatten(), group)
-    std = (m2 / count.clamp(min=1.0)).sqrt()
-    out = (x64 - mean) / (std + eps) if shift_mean else x64 / (std + eps)
-    return out.to(_float(x))
-
-
-class RunningRewardNorm:
-    """Running mean/std of rewards across steps (Chan et al.'s parallel update, float64 sums).
-
-    normalize(x) uses the statistics *after* folding x in, so the first batch is normalised by
-    itself. state_dict()/load_state_dict() carry it through checkpoint and resume. With a process
-    group, update() folds in the batch of every rank (the same state everywhere).
-    """
-
-    def __init__(self, eps: float = 1e-8):
-        self.eps = float(eps)
-        self.count = 0
-        self.mean = 0.0
-        self.m2 = 0.0                                           # sum of squared deviations
-
-    @property
-    def std(self) -> float:
-        return (self.m2 / self.count) ** 0.5 if self.count else 1.0
-
-    def update(self, x: torch.Tensor, *, group=None) -> None:
-        count, mean, m2 = _moments(x.detach().double().flatten(), group)
-        n = int(count)
-        if n == 0:
-            return
-        b_mean, b_m2 = float(mean), float(m2)
-        total = self.count + n
-        delta = b_mean - self.mean
-        self.mean += delta * n / total
-        self.m2 += b_m2 + delta * delta * self.count * n / total
-        self.count = total
-
-    def normalize(self, x: torch.Tensor, *, shift_mean: bool = True, update: bool = True,
-                  group=None) -> torch.Tensor:
-        if update:
-            self.update(x, group=group)
-        x64 = x.detach().double()
-        out = (x64 - self.mean) if shift_mean else x64
-        return (out / (self.std + self.eps)).to(_float(x))
-
-    def state_dict(self) -> dict:
-        return {"count": self.count, "mean": self.mean, "m2": self.m2}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
 
 
 def _float(t: torch.Tensor) -> torch.dtype:

@@ -10,6 +10,7 @@
     megarl synthetic --out data/
     megarl convert hf-to-megarl|megarl-to-hf ...
     megarl report runs/quickstart
+    megarl doctor [--gpu] [--quick] [--json out.json]
 
 User mistakes print one line (`megarl: error: ...`) and exit 2; --debug (or MEGARL_DEBUG=1)
 shows the traceback. A pre-empted run exits 75 after checkpointing, for the launcher to requeue.
@@ -21,6 +22,7 @@ import os
 import sys
 
 EXIT_USAGE = 2
+GPU_TARGETS = ("a100", "b200", "h100", "h200")  # megarl.config.fp8.TARGETS (not imported: --help stays fast)
 
 OVERRIDES_HELP = "dotted overrides section.key=value, e.g. optim.lr=1e-5 parallel.tp=2"
 
@@ -57,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check a config against a world size, without running")
     _config_args(p)
     p.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
+    p.add_argument("--gpu-target", choices=sorted(GPU_TARGETS), default=None,
+                   help="check the device rules (FP8) and the memory estimate for this GPU instead of this "
+                        "machine's, e.g. on a login node; assumes megarl's supported Transformer Engine there")
     p.add_argument("--stage", choices=["sft", "rm", "rl", "eval", "pipeline"], default=None,
                    help="also check that stage's own rules and inputs (rl, eval: batch split, sequence lengths, "
                         "rewards; pipeline: a `megarl pipeline` config, every stage; default: a pipeline config "
@@ -94,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied along")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: refuse)")
     _config_args(c, required=False)
+    p = sub.add_parser("doctor", help="versions, devices and (--gpu) GPU checks of this machine, as a table and JSON",
+                       description="The support table, devices and csrc build of this machine; --gpu runs the "
+                                   "GPU checks (gpu tests, kernel bandwidth, FP8 vs BF16, offload, rollout and "
+                                   "RL-step figures), each PASS / FAIL / SKIPPED with its reason.")
+    from megarl.cli.doctor import add_arguments
+
+    add_arguments(p)
     p = sub.add_parser("report", help="PNG plots and a markdown summary of a run from MLflow")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="default: <run_dir>/report")
@@ -103,12 +115,36 @@ def build_parser() -> argparse.ArgumentParser:
 RULES = {"rl": "rl", "eval": "rl"}  # commands whose config has rules of its own (validate_config's stage)
 
 
+def _device(args):
+    """The GPU `megarl validate --gpu-target` names (None: this machine's)."""
+    from megarl.config.fp8 import TARGETS
+
+    return TARGETS[args.gpu_target] if getattr(args, "gpu_target", None) else None
+
+
+def _memory_lines(cfg, args) -> list[str]:
+    """`megarl validate`'s per-GPU memory estimate (models/memory.py) for the stage checked."""
+    from megarl.config.fp8 import detect_device
+    from megarl.models.memory import estimate, format_estimate
+
+    stage = {"rl": "rl", "rm": "rm", None: "sft", "sft": "sft"}.get(args.stage)
+    if stage is None:  # eval: generation only
+        return []
+    roles = None
+    if stage == "rl":
+        from megarl.trainers.weights import needed_roles
+
+        roles = needed_roles(cfg)
+    device = _device(args) or detect_device()
+    return format_estimate(estimate(cfg, _world(args), stage, roles), device.memory_bytes, device.name)
+
+
 def _load(args):
     from megarl.config import load_config, validate_config
 
     cfg = load_config(args.config, args.overrides)
     stage = args.stage if args.command == "validate" else args.command
-    validate_config(cfg, _world(args), stage=RULES.get(stage))
+    validate_config(cfg, _world(args), stage=RULES.get(stage), device=_device(args))
     return cfg
 
 
@@ -167,8 +203,10 @@ def run(args) -> int:
 
         if _is_pipeline_config(args):
             _validate_pipeline(args)
-        else:  # data, tokenizer, starting checkpoint: what a run would hit first
-            check_preflight(_load(args), args.stage)
+        else:  # the memory estimate; then data, tokenizer, starting checkpoint: what a run would hit first
+            cfg = _load(args)
+            print("\n".join(_memory_lines(cfg, args)), flush=True)
+            check_preflight(cfg, args.stage)
         source = "--world-size" if args.world_size is not None else "$WORLD_SIZE or 1"
         print(f"{args.config}: valid for world size {_world(args)} ({source})")
         return 0
@@ -203,6 +241,10 @@ def run(args) -> int:
         from megarl.cli import convert
 
         return convert.run(args)
+    if args.command == "doctor":
+        from megarl.cli import doctor
+
+        return doctor.run(args)
     if args.command == "report":
         from megarl.tracking import write_report
 
@@ -226,11 +268,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("MEGARL_DEBUG") == "1"
     if not debug:  # megatron-core's import-time notices about optional packages
-        import warnings
+        from megarl.utils.notices import ignore_megatron_notices
 
-        for text in ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                     "full scope is deprecated", "is deprecated"):
-            warnings.filterwarnings("ignore", message=f".*{text}.*")
+        ignore_megatron_notices(("is deprecated",))
     try:
         return run(args)
     except Preempted as e:

@@ -127,6 +127,9 @@ class SyntheticConfig:
     max_factor: int = 3
     rejects: Literal["operand", "slip"] = "operand"  # the preference pairs' kind of mistake
     sft_mistakes: float = 0.0  # share of train SFT demonstrations with one mistake of that kind (a noisy teacher)
+    # share of SFT demonstrations that do their products with the calculator tool, `<<23*47=1081>>`
+    # (megarl/rollout/tools.py); pair it with a large max_factor, where products are beyond a tiny model
+    calculator: float = 0.0
 
 
 @dataclass
@@ -145,11 +148,32 @@ class DataConfig:
 
 
 @dataclass
+class FP8Config:
+    """FP8 GEMMs through Transformer Engine (compute capability 9.0+), on top of train.precision=bf16.
+
+    `format: null` is off. megarl.models.fp8 maps each field onto megatron-core's TransformerConfig
+    and TE's recipe; megarl.config.fp8 holds the device and version rules.
+    """
+
+    format: Optional[Literal["e4m3", "hybrid"]] = None  # hybrid: e4m3 forward, e5m2 gradients
+    # delayed: scales from an amax history; tensorwise: per-tensor current scaling;
+    # blockwise: 1x128/128x128 block scales (DeepSeek-V3 style); mxfp8: 1x32 block scales (Blackwell)
+    recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "delayed"
+    amax_history_len: int = 1024  # delayed only: steps of amax history a scale is taken from
+    amax_compute_algo: Literal["max", "most_recent"] = "max"  # delayed only
+    margin: int = 0  # delayed only: scale = fp8_max / amax / 2**margin
+    bf16_first_layers: int = 0  # the first N transformer layers stay in BF16 (not with delayed)
+    bf16_last_layers: int = 0  # the last N
+    param_gather: bool = False  # weights stored and all-gathered in FP8 (needs the distributed optimizer)
+    rollout: Literal["bf16", "fp8"] = "bf16"  # generation's GEMMs; scoring and training use FP8
+
+
+@dataclass
 class TrainConfig:
     steps: int = 50
     seed: int = 1234
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    fp8: Optional[Literal["e4m3", "hybrid"]] = None  # Transformer Engine FP8 (H100+)
+    fp8: FP8Config = field(default_factory=FP8Config)  # FP8 GEMMs (Hopper+): train.fp8.format=e4m3
     log_interval: int = 5
     eval_interval: int = 25  # 0 disables evaluation
     eval_batches: int = 2
@@ -210,7 +234,7 @@ class RLConfig:
     and trained on for `ppo_epochs` x `mini_batches` optimizer steps per trained role.
     """
 
-    algorithm: Literal["grpo", "ppo", "rloo", "reinforce", "reinforce_pp"] = "grpo"
+    algorithm: str = "grpo"  # one of megarl/algorithms/spec.py's ALGORITHMS: grpo, ppo, rloo, reinforce, reinforce_pp
     prompts_path: Optional[str] = None  # None: the synthetic task's train prompts
     eval_prompts_path: Optional[str] = None  # None: the synthetic task's held-out prompts
     prompts_per_step: int = 8  # global, over all DP ranks
@@ -248,7 +272,7 @@ class RLConfig:
     gamma: float = 1.0
     lam: float = 0.95
     scale_by_std: bool = True  # GRPO's std normalisation (false: Dr. GRPO)
-    whiten_advantages: Optional[bool] = None  # None: true for ppo and reinforce_pp
+    whiten_advantages: Optional[bool] = None  # None: the algorithm's default (algorithms/spec.py: ppo, reinforce_pp)
     value_clip: Optional[float] = 0.2
     # rewards
     # a built-in (final_answer, gsm8k, exact_match, format) or module:function; null: RM only
@@ -257,6 +281,16 @@ class RLConfig:
     reward_clip: Optional[float] = None
     max_reward_failures: float = 0.1  # fraction of a batch a user reward function may fail on
     max_nonfinite_steps: int = 3  # non-finite loss/reward: skip the step; this many in a row stop
+    # DAPO (Yu et al. 2025): dynamic sampling replaces groups whose rewards are all equal (no
+    # group-relative signal) by groups of further prompts, up to max_resample_rounds generations
+    # per step (then the batch is filled with groups without signal, in order)
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 3
+    # responses that hit max_new_tokens: "filter" masks them out of the loss; "soft" adds DAPO's
+    # linear penalty (0 to -overlong_penalty) over the last overlong_buffer tokens before the limit
+    overlong: Literal["none", "filter", "soft"] = "none"
+    overlong_buffer: int = 16
+    overlong_penalty: float = 1.0
     # evaluation (every train.eval_interval steps)
     eval_before_train: bool = True  # step 0: the model RL starts from, evaluated the same way
     eval_prompts: int = 64

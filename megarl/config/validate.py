@@ -5,10 +5,12 @@ so a user fixes a config in one round instead of one error per launch.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import torch
 
+from megarl.config.fp8 import TE_HINT, DeviceInfo, detect_device, fp8_errors
 from megarl.config.loader import ConfigError
 from megarl.config.schema import Config, ModelConfig
 
@@ -21,9 +23,7 @@ def has_module(name: str) -> bool:
         return False
 
 
-TE_HINT = "install Transformer Engine: pip install 'megarl[gpu]' (CUDA machines only)"
 DALI_HINT = "install NVIDIA DALI: pip install 'megarl[dali]'"
-APEX_HINT = "install NVIDIA apex from source (github.com/NVIDIA/apex) or Transformer Engine: pip install 'megarl[gpu]'"
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
@@ -87,8 +87,9 @@ def _rl_rules(cfg: Config, world_size: int, cuda: bool) -> list[str]:
     elif (r.prompts_per_step // dp * r.samples_per_prompt) % r.mini_batches:
         errs.append(f"rl.mini_batches ({r.mini_batches}) must divide the rows per data-parallel rank "
                     f"(prompts_per_step / dp x samples_per_prompt = {r.prompts_per_step // dp * r.samples_per_prompt})")
-    if r.algorithm in ("grpo", "rloo", "reinforce") and r.samples_per_prompt < 2:
-        errs.append(f"rl.algorithm={r.algorithm} compares samples of one prompt: rl.samples_per_prompt must be >= 2")
+    errs += _algorithm_rules(cfg)
+    if errs:
+        return errs
     longest = r.max_prompt_len + r.max_new_tokens
     for name in ("actor", "reference", "critic", "reward"):
         m = getattr(cfg.roles, name).model or cfg.model
@@ -131,10 +132,59 @@ def _rl_rules(cfg: Config, world_size: int, cuda: bool) -> list[str]:
     return errs
 
 
-def check_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: str | None = None) -> list[str]:
+def _algorithm_rules(cfg: Config) -> list[str]:
+    """The RL algorithm's own rules (algorithms/spec.py), its DAPO settings, and offload settings
+    of roles the run will not have."""
+    from megarl import algorithms as A
+    from megarl.config.schema import RLConfig
+
+    r = cfg.rl
+    errs = A.config_errors(r, RLConfig())
+    if errs:
+        return errs
+    if r.max_resample_rounds < 1:
+        errs.append(f"rl.max_resample_rounds must be >= 1, got {r.max_resample_rounds}")
+    if r.overlong == "soft" and not 0 < r.overlong_buffer <= r.max_new_tokens:
+        errs.append(f"rl.overlong_buffer ({r.overlong_buffer}) must be in [1, rl.max_new_tokens={r.max_new_tokens}]")
+    if r.overlong_penalty < 0:
+        errs.append(f"rl.overlong_penalty must be >= 0, got {r.overlong_penalty}")
+    roles = A.needed_roles(r)
+    why = {"reference": "rl.kl_coef is 0", "critic": f"rl.algorithm={r.algorithm} has no critic",
+           "reward": "rl.reward_model_coef is 0"}
+    for name in ("reference", "critic", "reward"):
+        o = getattr(cfg.roles, name).offload
+        on = [k for k in ("params", "grads", "optimizer") if getattr(o, k)]
+        if name not in roles and on:
+            errs.append(f"roles.{name}.offload.{on[0]}=true: this run has no {name} ({why[name]}); remove it")
+    return errs
+
+
+def _fp8_rules(cfg: Config, cuda: bool, device: DeviceInfo | None) -> list[str]:
+    """train.fp8's rules (megarl.config.fp8) for every model FP8 applies to: the policy's and each
+    role's own; the device is looked up only when FP8 is on."""
+    f = cfg.train.fp8
+    if f.format is not None and device is None:  # this machine; TE counts where importable, as above
+        device = detect_device(cuda)
+        if not has_module("transformer_engine"):
+            device = dataclasses.replace(device, te_version=None)
+    models, precisions = {"model": cfg.model}, {"train.precision": cfg.train.precision}
+    for name in ("actor", "reference", "critic", "reward"):
+        r = getattr(cfg.roles, name)
+        if r.model is not None:
+            models[f"roles.{name}.model"] = r.model
+        if r.precision is not None:
+            precisions[f"roles.{name}.precision"] = r.precision
+    return fp8_errors(f, models, cfg.parallel, precisions, cfg.parallel.distributed_optimizer,
+                      device or DeviceInfo(cuda))
+
+
+def check_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: str | None = None,
+                 device: DeviceInfo | None = None) -> list[str]:
     """All violations of the cross-field rules, one line each (empty list: valid). stage="rl"
-    adds the RL stage's rules."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+    adds the RL stage's rules. device: the GPU the run will use (default: this machine's)."""
+    cuda = (device.cuda if device is not None else torch.cuda.is_available()) if cuda is None else cuda
+    # Transformer Engine where the run will be: this machine's, or the one a --gpu-target names
+    te = has_module("transformer_engine") if device is None else device.te_version is not None
     p, d, t, errs = cfg.parallel, cfg.data, cfg.train, []
     if world_size < 1:
         return [f"world size must be >= 1, got {world_size}"]
@@ -158,14 +208,15 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: 
         errs.append(f"data.global_batch_size ({d.global_batch_size}) must be divisible by data.micro_batch_size * dp = {d.micro_batch_size}*{dp}")
     if p.sequence_parallel and p.tp == 1:
         errs.append("parallel.sequence_parallel needs parallel.tp > 1")
-    if p.sequence_parallel and not (has_module("transformer_engine") or has_module("apex")):
-        errs.append(f"parallel.sequence_parallel needs Transformer Engine or apex norms (megatron-core's torch norms reject it): {TE_HINT}")
+    if p.sequence_parallel and not te:
+        errs.append(f"parallel.sequence_parallel needs Transformer Engine's norms (megatron-core's torch RMSNorm "
+                    f"rejects it): {TE_HINT}")
     if p.sequence_parallel and d.seq_length % p.tp:
         errs.append(f"data.seq_length ({d.seq_length}) must be divisible by parallel.tp ({p.tp}) with sequence_parallel")
     if p.cp > 1:
         if d.seq_length % (2 * p.cp):
             errs.append(f"data.seq_length ({d.seq_length}) must be divisible by 2*parallel.cp ({2 * p.cp})")
-        if not (has_module("transformer_engine") and cuda):
+        if not (te and cuda):
             errs.append(f"parallel.cp > 1 needs Transformer Engine attention on a GPU: {TE_HINT}")
 
     # parallel.distributed_optimizer has no rule: it runs on CPU (gloo) and GPU, over fused Adam
@@ -178,13 +229,7 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: 
 
     if t.precision == "fp16" and not cuda:
         errs.append("train.precision=fp16 needs a CUDA GPU; use fp32 or bf16 on CPU")
-    if t.fp8 is not None:
-        if not has_module("transformer_engine"):
-            errs.append(f"train.fp8 needs Transformer Engine: {TE_HINT}")
-        elif not cuda:
-            errs.append("train.fp8 needs a CUDA GPU (Hopper or newer)")
-        if t.precision != "bf16":
-            errs.append(f"train.fp8 trains with bf16 weights; set train.precision=bf16 (got {t.precision})")
+    errs += _fp8_rules(cfg, cuda, device)
     if t.eval_interval < 0:
         errs.append(f"train.eval_interval must be >= 0, got {t.eval_interval}")
 
@@ -197,8 +242,8 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: 
         errs.append("optim.beta1 and optim.beta2 must be in [0, 1)")
     if o.clip_grad < 0 or o.weight_decay < 0:
         errs.append("optim.clip_grad and optim.weight_decay must be >= 0")
-    if o.fused and not (cuda and (has_module("transformer_engine") or has_module("apex"))):
-        errs.append(f"optim.fused needs a GPU with Transformer Engine or apex: {APEX_HINT}")
+    if o.fused and not (cuda and te):
+        errs.append(f"optim.fused needs a GPU with Transformer Engine (its FusedAdam): {TE_HINT}")
     decay = s.decay_steps if s.decay_steps is not None else t.steps
     if s.warmup_steps < 0 or s.warmup_steps >= decay:
         errs.append(f"lr_schedule.warmup_steps ({s.warmup_steps}) must be in [0, decay steps ({decay})): "
@@ -221,7 +266,8 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: 
     return errs
 
 
-def validate_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: str | None = None) -> None:
-    errs = check_config(cfg, world_size, cuda, stage)
+def validate_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: str | None = None,
+                    device: DeviceInfo | None = None) -> None:
+    errs = check_config(cfg, world_size, cuda, stage, device)
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))

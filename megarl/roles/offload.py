@@ -5,7 +5,7 @@ Why storages: a role's tensors are mostly views (DDP bucket views and `main_grad
 tied weights; the optimizer's references to the same parameters). Copying each *storage* to a
 host buffer and `untyped_storage().resize_(0)` frees the device memory while every view, every
 optimizer reference and every hook stays valid; onload `resize_`s and copies back, bit-exact.
-megatron-core's own helpers do not fit (NOTES.md "Offload": DDP's restore zeroes the grads,
+megatron-core's own helpers do not fit (measured on megatron-core 0.16: DDP's restore zeroes the grads,
 `_ParamAndGradBuffer.offload_to_cpu` needs `param_data`, the optimizer's acts on CUDA only).
 
 Three kinds, claimed in this order (a storage shared by two kinds belongs to the first):
@@ -399,60 +399,3 @@ def resident_during(arg: str):
                 return fn(*args, **kwargs)
         return wrapper
     return deco
-
-
-# ---------------------------------------------------------------------------------------------
-# slime's reference: a host weight set swapped into a resident model of the same layout
-
-
-class HostWeights:
-    """A role's parameters kept in (pinned) host memory, to be swapped into a resident role of
-    the same layout (same model config, head, precision, parallel layout, optimizer kind).
-
-    RL's reference model has the actor's shapes: instead of a fourth model on the device, the
-    reference weights live here and `swap(actor)` exchanges them with the actor's parameters
-    for the scoring forward, `swap(actor)` again restores the actor, bit-exact. The device
-    never holds more than the actor; the cost is two copies each way per use. Swap back before
-    the actor trains: its optimizer (main params, distributed-optimizer shards) is not swapped.
-    """
-
-    def __init__(self, role):
-        self._storages = list(role_storages(role)["params"].values())  # collection order
-        self.layout = [s.nbytes() for s in self._storages]
-        if not all(self.layout):
-            raise OffloadedError(f"role {role.name}: its params are offloaded; onload before taking its weights")
-        pin = _device(role).type == "cuda"
-        self.host = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in self.layout]
-        self._spare = [torch.empty(n, dtype=torch.uint8, pin_memory=pin) for n in self.layout]
-        self._copy(self._storages, self.host, out=True)
-        self.nbytes = sum(self.layout)
-
-    @staticmethod
-    def _copy(storages, host, *, out: bool):
-        device = storages[0].device if storages else torch.device("cpu")
-        stream = _side_stream(device)
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(device))
-        with (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
-            for s, h in zip(storages, host):
-                view = _byte_view(s, s.nbytes())
-                (h.copy_(view, non_blocking=stream is not None) if out
-                 else view.copy_(h, non_blocking=stream is not None))
-        if stream is not None:
-            torch.cuda.current_stream(device).wait_stream(stream)
-            if out:
-                stream.synchronize()  # host data complete before the CPU hands it on
-
-    def swap(self, role) -> None:
-        """Exchange this weight set with `role`'s parameters (both directions bit-exact)."""
-        storages = list(role_storages(role)["params"].values())
-        layout = [s.nbytes() for s in storages]
-        if layout != self.layout:
-            raise ValueError(f"role {role.name}: parameter layout differs from this weight set "
-                             f"({len(layout)} storages, {sum(layout)} bytes vs {len(self.layout)}, {self.nbytes}); "
-                             "same model, head, precision and parallel layout required")
-        if getattr(role, "accumulating", False):
-            raise OffloadedError(f"role {role.name}: cannot swap weights during a gradient accumulation")
-        self._copy(storages, self._spare, out=True)
-        self._copy(storages, self.host, out=False)
-        self.host, self._spare = self._spare, self.host

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from megarl.config.schema import LRScheduleConfig, ModelConfig, OptimConfig, ParallelConfig
+from megarl.config.schema import FP8Config, LRScheduleConfig, ModelConfig, OptimConfig, ParallelConfig
 from megarl.models.gpt import build_model
 from megarl.optim import build_optimizer, build_scheduler
 from megarl.runtime.distributed import broadcast_from_last_stage, dp_means
@@ -45,7 +45,7 @@ class Role:
     all in order."""
 
     def __init__(self, name: str, model_cfg: ModelConfig, parallel: ParallelConfig, *,
-                 head: str = "lm", precision: str = "fp32", fp8: str | None = None, seed: int = 1234,
+                 head: str = "lm", precision: str = "fp32", fp8: FP8Config | None = None, seed: int = 1234,
                  optim: OptimConfig | None = None, schedule: LRScheduleConfig | None = None,
                  train_steps: int = 1, train_only_head: bool = False):
         self.name, self.model_cfg, self.head, self.precision = name, model_cfg, head, precision
@@ -60,7 +60,7 @@ class Role:
 
     # -- construction steps ---------------------------------------------------------------
 
-    def build_module(self, *, seed: int, fp8: str | None):
+    def build_module(self, *, seed: int, fp8: FP8Config | None):
         gpt = build_model(self.model_cfg, self.parallel, head=self.head, precision=self.precision, fp8=fp8, seed=seed)
         self.config = gpt.config  # TransformerConfig: the single source of model truth
         return gpt
@@ -81,7 +81,8 @@ class Role:
             return module
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=self.parallel.distributed_optimizer)
+            use_distributed_optimizer=self.parallel.distributed_optimizer,
+            fp8_param_gather=self.config.fp8_param)  # train.fp8.param_gather: all-gather FP8 weights
         return DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=module)
 
     def attach_optimizer(self, optim: OptimConfig, schedule: LRScheduleConfig, train_steps: int) -> None:

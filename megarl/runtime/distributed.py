@@ -175,6 +175,17 @@ def dp_max(value: float) -> float:
     return t.item()
 
 
+def dp_gather_objects(obj) -> list:
+    """[obj of DP rank 0, obj of DP rank 1, ...] on every rank (pickled; for small host data
+    such as the rows RL's dynamic sampling moves between ranks)."""
+    if not dist.is_initialized():
+        return [obj]
+    group = dp_group()
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def broadcast_from_last_stage(value):
     """`value` from the last pipeline stage to every stage of this rank's pipeline.
 

@@ -111,3 +111,13 @@ def padding_waste(lengths: list[int], groups: list[list[int]]) -> float:
     """Fraction of the computed tokens that are padding when each group is cut to its longest row."""
     computed = sum(len(g) * max(lengths[i] for i in g) for g in groups)
     return 1.0 - sum(lengths) / computed if computed else 0.0
+
+
+def mix_seed(*values: int) -> int:
+    """A 62-bit seed from integers (splitmix-style), the same on every rank: e.g. the rollout
+    seed of (train.seed, step), so that every step samples afresh yet reproducibly."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & ((1 << 62) - 1)

@@ -1,4 +1,5 @@
-"""Config -> tokenizer, datasets, iterators and initial weights for a stage.
+"""Config -> tokenizer, datasets and iterators for a stage, and the checks of its inputs
+before anything is written (initial weights: weights.py).
 
 The glue between `megarl.data` (plain functions of paths and ints) and the trainers.
 """
@@ -8,6 +9,7 @@ import os
 
 from megarl.config import Config, ConfigError
 from megarl.runtime.distributed import barrier, is_rank0
+from megarl.trainers import weights
 
 # Which synthetic-task file each stage trains and evaluates on when data.train_path is unset.
 SYNTHETIC = {"sft": ("train_sft.jsonl", "test_sft.jsonl"),
@@ -148,33 +150,6 @@ def eval_prompts(cfg: Config, path: str, tok, n: int) -> list[dict]:
     return out
 
 
-def init_weights(cfg: Config, role, model_cfg=None, skip_head: bool = False) -> None:
-    """model.init_from: a Hugging Face directory (config.json) or a megarl checkpoint.
-
-    skip_head: keep the role's own output layer (a scalar head on an LM's backbone)."""
-    src = (model_cfg or cfg.model).init_from
-    if not src:
-        return
-    if not os.path.exists(src):
-        raise ConfigError(f"model.init_from: {src} does not exist")
-    if os.path.isfile(os.path.join(src, "config.json")):
-        from megarl.checkpoint.hf import load_hf_checkpoint
-        from megarl.models.layout import load_full_state_dict
-
-        try:
-            _, weights = load_hf_checkpoint(src, lazy=True)  # each rank reads only its stage's tensors
-        except ValueError as e:
-            raise ConfigError(f"model.init_from: {e}") from e
-        load_full_state_dict(role.model, weights, (model_cfg or cfg.model).vocab_size,
-                             skip_prefixes=("output_layer.",) if skip_head else ())
-        if role.optimizer is not None:  # bf16/fp16: the optimizer's fp32 main copy follows the new weights
-            role.optimizer.reload_model_params()
-        return
-    from megarl.checkpoint.distributed import load_weights, resolve_checkpoint
-
-    load_weights(resolve_checkpoint(src), role, skip_head=skip_head)
-
-
 def prompt_dataset(cfg: Config, path: str):
     """RL prompts (JSONL with prompt/answer, bare strings, GSM8K) rendered with the generation prompt."""
     from megarl.data import build_prompt_dataset
@@ -202,13 +177,13 @@ def preflight(cfg: Config, stage: str | None) -> list[str]:
         r = cfg.rl
         errs += _data_errors(cfg, "rl", ("prompts_path", "eval_prompts_path"), r.prompts_per_step,
                              "rl.prompts_per_step")
-        errs += _rl_source_errors(cfg)
+        errs += weights.role_source_errors(cfg)
     else:
         errs += _data_errors(cfg, "data", ("train_path", "eval_path"), cfg.data.global_batch_size,
                              "data.global_batch_size", synthetic=stage is not None)
     if stage == "reward_model":
-        errs += _start_errors(cfg, cfg.reward_model.init_from, "reward_model.init_from",
-                              "or set reward_model.init_from=null")
+        errs += weights.source_errors(cfg, cfg.reward_model.init_from, "reward_model.init_from",
+                                      "or set reward_model.init_from=null")
     return errs
 
 
@@ -279,33 +254,4 @@ def _data_errors(cfg: Config, section: str, keys: tuple, batch: int, batch_key: 
     n = _count_records(train)
     if n is not None and n < batch:
         errs.append(f"{section}.{keys[0]}: {train} has {n} records, fewer than one batch ({batch_key}={batch})")
-    return errs
-
-
-def _start_errors(cfg: Config, src: str | None, key: str, alternative: str) -> list[str]:
-    """A stage name ("sft", "reward_model") needs that stage's checkpoint in this run dir; a path must exist."""
-    if not src or src == "random":  # "random": train.seed's initialisation (RL roles)
-        return []
-    if src in ("sft", "reward_model"):
-        root = os.path.join(os.path.abspath(cfg.train.run_dir), src, "checkpoints")
-        if not os.path.isfile(os.path.join(root, "latest")):
-            cmd = "megarl sft" if src == "sft" else "megarl rm"
-            return [f"{key}={src}: no checkpoint at {root}; run `{cmd}` with the same train.run_dir first, {alternative}"]
-        return []
-    if not os.path.exists(src):
-        return [f"{key}: {src} does not exist"]
-    return []
-
-
-def _rl_source_errors(cfg: Config) -> list[str]:
-    from megarl.config.schema import role_config
-    from megarl.trainers.rl import needed_roles
-
-    errs, seen = [], set()
-    for name in needed_roles(cfg):
-        src = role_config(cfg, name).init_from
-        if src in seen:  # actor and reference both from "sft": one line
-            continue
-        seen.add(src)
-        errs += _start_errors(cfg, src, f"roles.{name}.init_from", "or point it at a checkpoint or Hugging Face directory")
     return errs

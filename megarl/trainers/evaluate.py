@@ -1,5 +1,9 @@
 """Sampled evaluation on held-out prompts: pass@1, pass@k (unbiased, Chen et al. 2021), mean@k.
 
+The metrics are named `pass_at_1`, `pass_at_<k>` and `mean_at_<k>` (MLflow's keys allow no '@';
+metrics.jsonl, MLflow and the report use the same names). mean@k, the mean reward, equals
+pass@1 when every score is 0 or 1 (final_answer, gsm8k, exact_match): it is then left out.
+
     megarl eval --config X [--checkpoint P | --hf DIR] [key=value ...]
 
 Used by the RL stage every `train.eval_interval` steps and by `megarl eval` on any checkpoint
@@ -22,6 +26,11 @@ STAGE = "eval"
 SAMPLE_ROWS = 8  # prompts shown in the sample table
 
 
+def metric_names(k: int) -> tuple[str, str, str]:
+    """The metric names of pass@1, pass@k and mean@k for k samples per prompt (MLflow-valid)."""
+    return "pass_at_1", f"pass_at_{k}", f"mean_at_{k}"
+
+
 def pass_at_k_eval(engine, dataset, tok, *, n_prompts: int, k: int, params, seed: int, reward_fn) -> tuple[dict, list]:
     """(metrics, sample rows) over the first `n_prompts` prompts of `dataset`, k samples each.
 
@@ -29,20 +38,22 @@ def pass_at_k_eval(engine, dataset, tok, *, n_prompts: int, k: int, params, seed
     from megatron.core import parallel_state as ps
 
     from megarl.rewards import pass_at_k, score_batch
-    from megarl.runtime.distributed import dp_means
+    from megarl.runtime.distributed import dp_max, dp_means
 
+    p1_name, pk_name, mk_name = metric_names(k)
     n = min(n_prompts, len(dataset))
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     lo, hi = rank * n // dp, (rank + 1) * n // dp
     items = [dataset[i] for i in range(lo, hi)]
-    pairs = {"pass@1": (0.0, 0), f"pass@{k}": (0.0, 0), f"mean@{k}": (0.0, 0), "response_len": (0.0, 0)}
-    rows = []
+    pairs = {p1_name: (0.0, 0), pk_name: (0.0, 0), mk_name: (0.0, 0), "response_len": (0.0, 0)}
+    rows, graded = [], 0.0  # graded: some score is neither 0 nor 1, so mean@k says more than pass@1
     if items:
         rollout = engine.generate([it["prompt_ids"] for it in items], params, seed=seed, sample_offset=lo * k)
         texts = [tok.decode(r, skip_special_tokens=True) for r in rollout.responses()]
         prompts = [it["messages"][-1]["content"] for it in items for _ in range(k)]
         answers = [it["answer"] for it in items for _ in range(k)]
         scores = score_batch(reward_fn, prompts, texts, answers, max_fail_fraction=1.0).scores
+        graded = float(any(x not in (0.0, 1.0) for x in scores))
         p1 = pk = mk = 0.0
         for i in range(len(items)):
             s = scores[i * k:(i + 1) * k]
@@ -52,9 +63,11 @@ def pass_at_k_eval(engine, dataset, tok, *, n_prompts: int, k: int, params, seed
             mk += sum(s) / k
         m = len(items)
         lens = rollout.response_lens.double()
-        pairs = {"pass@1": (p1, m), f"pass@{k}": (pk, m), f"mean@{k}": (mk, m), "response_len": (lens.sum().item(), len(lens))}
+        pairs = {p1_name: (p1, m), pk_name: (pk, m), mk_name: (mk, m), "response_len": (lens.sum().item(), len(lens))}
         rows = [{"prompt": prompts[i * k], "completion": texts[i * k], "answer": answers[i * k],
                  "reward": scores[i * k]} for i in range(min(m, SAMPLE_ROWS))]
+    if not dp_max(graded):
+        del pairs[mk_name]
     return dp_means(pairs), rows if rank == 0 else []
 
 
@@ -65,7 +78,8 @@ def run_eval(cfg: Config, checkpoint: str | None = None, hf: str | None = None) 
     from megarl.roles.role import Role
     from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
     from megarl.trainers import data_setup
-    from megarl.trainers.rl import load_role_weights
+    from megarl.trainers.common import mix_seed
+    from megarl.trainers.weights import load_role_weights
     from megarl.trainers.session import stage_session
     from megarl.utils.atomic import write_atomic
 
@@ -85,10 +99,8 @@ def run_eval(cfg: Config, checkpoint: str | None = None, hf: str | None = None) 
                                        max_batch_size=r.rollout_batch_size)
         params = SamplingParams(n=r.eval_samples, temperature=r.eval_temperature, top_k=r.top_k, top_p=r.top_p,
                                 max_new_tokens=r.max_new_tokens, stop_ids=tuple(tok.stop_ids))
-        from megarl.trainers.rl import _mix
-
         metrics, rows = pass_at_k_eval(engine, ds, tok, n_prompts=r.eval_prompts, k=r.eval_samples, params=params,
-                                       seed=_mix(cfg.train.seed, 99991), reward_fn=load_reward_fn(r.eval_reward_fn))
+                                       seed=mix_seed(cfg.train.seed, 99991), reward_fn=load_reward_fn(r.eval_reward_fn))
         metrics = {f"eval/{k}": v for k, v in metrics.items()}
         s.tracker.log_metrics(metrics, step=0)
         if rows:

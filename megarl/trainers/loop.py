@@ -23,21 +23,9 @@ import torch.distributed as dist
 from megarl.checkpoint.distributed import latest_checkpoint, load_checkpoint, save_checkpoint
 from megarl.config.schema import Config
 from megarl.runtime.distributed import device, is_rank0
+from megarl.trainers.stops import EXIT_REQUEUE, Preempted
 
 log = logging.getLogger("megarl")
-
-EXIT_REQUEUE = 75  # EX_TEMPFAIL: "pre-empted, checkpoint saved, requeue me"
-
-
-class Preempted(Exception):
-    """Raised after the pre-emption checkpoint is durable; the CLI exits with EXIT_REQUEUE."""
-
-
-class StageStopped(RuntimeError):
-    """A stage stopped itself for the reason its message names (divergence, repeated non-finite
-    steps); nothing more is saved, so the last good checkpoint stays the latest. The CLI prints
-    the message on one line and exits 1."""
-
 
 class Stage:
     """What the loop drives. Subclasses set `name` and `roles` and implement `step`.
@@ -124,7 +112,7 @@ class Progress:
     `every` steps, so batch jobs' log files stay readable."""
 
     # the progress line's figures (every metric goes to metrics.jsonl and MLflow)
-    SHOWN = ("train/loss", "train/accuracy", "train/lr", "train/grad_norm", "reward/mean", "reward/accuracy",
+    SHOWN = ("train/loss", "train/token_accuracy", "train/pair_accuracy", "train/lr", "train/grad_norm", "reward/mean", "reward/accuracy",
              "kl/mean", "actor/loss", "actor/entropy", "actor/clip_fraction", "critic/loss",
              "critic/explained_variance", "rollout/response_len_mean", "perf/tokens_per_s", "perf/step_time_s")
 

@@ -16,7 +16,7 @@ from megarl.algorithms.losses import bradley_terry
 from megarl.checkpoint.distributed import MANIFEST, load_weights, resolve_checkpoint
 from megarl.config import Config, ConfigError
 from megarl.roles.role import Role
-from megarl.trainers import data_setup
+from megarl.trainers import data_setup, weights
 from megarl.trainers.common import SupervisedStage
 from megarl.trainers.loop import train_stage
 
@@ -57,7 +57,9 @@ def rm_loss(margin: float, center_coef: float):
         v = values.squeeze(-1)
         r = v[torch.arange(v.shape[0]), batch["last"]]  # [2n] reward at each last token
         chosen, rejected = r.chunk(2)
-        return bradley_terry(chosen, rejected, margin, center_coef)
+        loss_sum, count, metrics = bradley_terry(chosen, rejected, margin, center_coef)
+        metrics["pair_accuracy"] = metrics.pop("accuracy")  # SFT's is per token: one name, one meaning
+        return loss_sum, count, metrics
 
     return loss_fn
 
@@ -86,7 +88,7 @@ def build_stage(cfg: Config, stage_dir: str) -> SupervisedStage:
         load_weights(src, role, skip_head=True)
         log.info("reward model backbone initialised from %s", src)
     elif cfg.model.init_from:  # an HF directory or any megarl checkpoint, LM head left out
-        data_setup.init_weights(cfg, role, skip_head=True)
+        weights.init_weights(cfg, role, skip_head=True)
         log.info("reward model backbone initialised from %s", cfg.model.init_from)
     train = PairIterator(data_setup.train_iterator(cfg, paths["train"], "preferences", tok, stage_dir))
     eval_ds = data_setup.dataset(cfg, paths["eval"], "preferences", tok) if paths["eval"] else None

@@ -2,23 +2,24 @@
 
     megarl rl --config configs/tiny_grpo.yaml [key=value ...]
 
-One loop step, top to bottom (`RLStage.step`):
-  1. generate:   this DP rank's prompts x n samples with the rollout engine on the actor;
-  2. score:      old log-probs (actor), reference log-probs, values (critic), rewards (rule
-                 and/or reward model): each role resident only for its phase;
-  3. advantages: GAE with the critic, or group baselines (GRPO / RLOO / REINFORCE);
+One loop step, top to bottom (`RLStage.step`); each phase takes the previous one's data and
+returns its own metrics:
+  1. generate:   this DP rank's prompts x n samples with the rollout engine on the actor, and
+                 their rewards (rule and/or reward model); with rl.dynamic_sampling, further
+                 prompts until `prompts_per_step` groups carry a signal (DAPO);
+  2. score:      old log-probs (actor), reference log-probs, values (critic);
+  3. advantages: the algorithm's estimator (algorithms/spec.py says which, and its whitening);
   4. train:      critic, then actor, `ppo_epochs` x `mini_batches` optimizer steps each.
-The algorithms are pure functions in `megarl.algorithms`; this file only moves tensors between
-them and the roles. Roles: actor and critic train (checkpointed with optimizer state), the
-reference and the reward model are frozen and rebuilt from where they came from on resume.
+Each role is resident only in its phases (`with clock.phase(name)`). The algorithms are pure
+functions in `megarl.algorithms`; this file moves tensors between them and the roles. Roles:
+actor and critic train (checkpointed with optimizer state); the reference and the reward model
+are frozen and rebuilt from where they came from on resume (trainers/weights.py).
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -26,18 +27,19 @@ from megarl import algorithms as A
 from megarl.config import Config, ConfigError
 from megarl.config.schema import role_config
 from megarl.models.gpt import mask_padded_vocab
+from megarl.roles.phases import PhaseClock, PhaseScheduler
 from megarl.roles.role import Role
 from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
-from megarl.runtime.distributed import dp_group, dp_max, dp_means, dp_sum
+from megarl.runtime.distributed import dp_gather_objects, dp_group, dp_max, dp_means
 from megarl.trainers import data_setup
-from megarl.trainers.common import padding_waste, plan_microbatches
-from megarl.trainers.loop import Stage, StageStopped, train_stage
+from megarl.trainers.common import mix_seed, padding_waste, plan_microbatches
+from megarl.trainers.loop import Stage, train_stage
+from megarl.trainers.stops import StageStopped
+from megarl.trainers.weights import build_roles
 
 log = logging.getLogger("megarl")
 
 STAGE = "rl"
-CRITIC_ALGORITHMS = ("ppo",)
-LM_ROLES = ("sft", "actor", "reference")  # checkpoint role names whose output layer is an LM head
 ACCURACY_REWARDS = ("final_answer", "gsm8k", "exact_match")  # 0/1 rewards: their mean is an accuracy
 
 
@@ -49,11 +51,14 @@ ACCURACY_REWARDS = ("final_answer", "gsm8k", "exact_match")  # 0/1 rewards: thei
 class Experience:
     """Row i is one prompt + response, right-padded; column t predicts token t + 1."""
 
-    tokens: torch.Tensor      # [N, L] long
-    labels: torch.Tensor      # [N, L] long: tokens shifted left (pad at the end)
-    mask: torch.Tensor        # [N, L] bool: True where labels[t] is a response token (an action)
-    lengths: list             # [N] prompt + response length: the columns a row needs
-    scores: torch.Tensor      # [N] fp32 sequence reward (rule + reward model)
+    tokens: torch.Tensor       # [N, L] long
+    labels: torch.Tensor       # [N, L] long: tokens shifted left (pad at the end)
+    mask: torch.Tensor         # [N, L] bool: True where labels[t] is a response token the policy sampled
+    prompt_lens: torch.Tensor  # [N] long
+    lengths: list              # [N] prompt + response length: the columns a row needs
+    stopped: torch.Tensor      # [N] bool: ended on a stop token (False: cut at max_new_tokens)
+    rollout_logp: torch.Tensor  # [N, L] fp32: the sampled distribution's log-probs, in label columns
+    scores: torch.Tensor       # [N] fp32 sequence reward (rule + reward model + shaping)
     old_logp: torch.Tensor | None = None  # [N, L] fp32
     ref_logp: torch.Tensor | None = None
     values: torch.Tensor | None = None
@@ -68,7 +73,7 @@ class Experience:
         field is given from that column on: [b, width - output_from]."""
         width = max(self.lengths[i] for i in rows)
         idx = torch.tensor(rows)
-        first = int(self.mask[idx, :width].int().argmax(1).min())  # earliest action column of these rows
+        first = int(self.prompt_lens[idx].min()) - 1  # earliest column predicting a response token
         mb = {"tokens": self.tokens[idx, :width], "position_ids": torch.arange(width).expand(len(rows), width),
               "attention_mask": None, "output_from": first,
               "labels": self.labels[idx, first:width], "mask": self.mask[idx, first:width]}
@@ -77,6 +82,32 @@ class Experience:
             if value is not None:
                 mb[name] = value[idx, first:width]
         return mb
+
+    def rows(self, rows: list[int]) -> "Experience":
+        idx = torch.tensor(rows, dtype=torch.long)
+        return replace(self, lengths=[self.lengths[i] for i in rows],
+                       **{f.name: getattr(self, f.name)[idx] for f in fields(self)
+                          if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    @staticmethod
+    def cat(parts: list["Experience"], pad_id: int) -> "Experience":
+        """Rows of `parts` in order; per-token tensors right-padded to the widest part."""
+        width = max(p.tokens.shape[1] for p in parts)
+
+        def widen(t, fill):
+            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) if t.dim() == 2 else t
+
+        out = {}
+        for f in fields(Experience):
+            values = [getattr(p, f.name) for p in parts]
+            if f.name == "lengths":
+                out[f.name] = [x for v in values for x in v]
+            elif any(v is None for v in values):
+                out[f.name] = None
+            else:
+                fill = pad_id if f.name in ("tokens", "labels") else 0
+                out[f.name] = torch.cat([widen(v, fill) for v in values])
+        return Experience(**out)
 
 
 def experience_from_rollout(rollout, pad_id: int) -> Experience:
@@ -87,92 +118,11 @@ def experience_from_rollout(rollout, pad_id: int) -> Experience:
     cols = torch.arange(width)
     first = rollout.prompt_lens - 1  # column predicting the first response token
     mask = (cols >= first[:, None]) & (cols < (first + rollout.response_lens)[:, None])  # [N, L]
+    rollout_logp = torch.zeros(tokens.shape, dtype=torch.float32)
+    rollout_logp[mask] = rollout.logprobs[rollout.response_mask]
     lengths = (rollout.prompt_lens + rollout.response_lens).tolist()
-    return Experience(tokens, labels, mask, lengths, torch.zeros(n))
-
-
-# ---------------------------------------------------------------------------------------------
-# Roles
-
-
-def _checkpoint_source(cfg: Config, source: str, key: str) -> str:
-    """'sft' / 'reward_model' -> that stage's latest checkpoint in this run dir; a path -> itself."""
-    from megarl.checkpoint.distributed import latest_checkpoint, resolve_checkpoint
-
-    if source in ("sft", "reward_model"):
-        root = os.path.join(os.path.abspath(cfg.train.run_dir), source, "checkpoints")
-        path = latest_checkpoint(root)
-        if path is None:
-            cmd = "megarl sft" if source == "sft" else "megarl rm"
-            raise ConfigError(f"{key}={source}: no checkpoint at {root}; run `{cmd}` with the same train.run_dir "
-                              "first, or point it at a checkpoint or Hugging Face directory")
-        return path
-    if not os.path.exists(source):
-        raise ConfigError(f"{key}: {source} does not exist")
-    return resolve_checkpoint(source)
-
-
-def load_role_weights(cfg: Config, role: Role, source: str, key: str) -> str:
-    """Initialise `role` from a stage name, a megarl checkpoint or a Hugging Face directory.
-    A scalar head started from an LM checkpoint keeps its fresh head (and the reverse is an error)."""
-    import json
-
-    from megarl.checkpoint.distributed import MANIFEST, load_weights
-
-    if source == "random":  # train.seed's layout-invariant initialisation (tests, benchmarks)
-        return "random initialisation"
-    path = _checkpoint_source(cfg, source, key)
-    if os.path.isfile(os.path.join(path, "config.json")):  # Hugging Face: an LM (a scalar role keeps its head)
-        data_setup.init_weights(cfg, role, _with_init(role.model_cfg, path), skip_head=role.head != "lm")
-        return path
-    with open(os.path.join(path, MANIFEST)) as f:
-        saved = json.load(f)["roles"]
-    name = role.name if role.name in saved else (saved[0] if len(saved) == 1 else None)
-    if name is None:
-        raise ConfigError(f"{key}: {path} holds roles {', '.join(saved)}; none is named {role.name}")
-    saved_head = "lm" if name in LM_ROLES else "scalar"
-    if saved_head == "scalar" and role.head == "lm":
-        raise ConfigError(f"{key}: {path} holds a scalar-head model ({name}); the {role.name} needs a language model")
-    load_weights(path, role, saved_role=name, skip_head=saved_head != role.head)
-    return path
-
-
-def _with_init(model_cfg, path):
-    import dataclasses
-
-    return dataclasses.replace(model_cfg, init_from=path)
-
-
-def needed_roles(cfg: Config) -> list[str]:
-    """Which roles exist follows the algorithm and the reward."""
-    r = cfg.rl
-    roles = ["actor"]
-    if r.kl_coef > 0 or r.kl_target is not None:
-        roles.append("reference")
-    if r.algorithm in CRITIC_ALGORITHMS:
-        roles.append("critic")
-    if r.reward_model_coef > 0:
-        roles.append("reward")
-    return roles
-
-
-def optimizer_steps(cfg: Config) -> int:
-    """The LR schedule's length: optimizer steps, not loop steps."""
-    return cfg.train.steps * cfg.rl.ppo_epochs * cfg.rl.mini_batches
-
-
-def build_roles(cfg: Config) -> dict:
-    roles = {}
-    for name in needed_roles(cfg):
-        rc = role_config(cfg, name)
-        trained = name in ("actor", "critic")
-        role = Role(name, rc.model, cfg.parallel, head="lm" if name in ("actor", "reference") else "scalar",
-                    precision=rc.precision, fp8=cfg.train.fp8, seed=cfg.train.seed,
-                    optim=rc.optim if trained else None, schedule=rc.lr_schedule, train_steps=optimizer_steps(cfg))
-        src = load_role_weights(cfg, role, rc.init_from, f"roles.{name}.init_from")
-        log.info("%s initialised from %s", name, src)
-        roles[name] = role
-    return roles
+    return Experience(tokens, labels, mask, rollout.prompt_lens.clone(), lengths, rollout.stopped.clone(),
+                      rollout_logp, torch.zeros(n))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,10 +162,10 @@ class RLStage(Stage):
 
         from megarl.data import DataIterator
         from megarl.rewards import load_reward_fn
-        from megarl.roles.residency import PhaseScheduler
 
         self.cfg, r = cfg, cfg.rl
         self.name = STAGE
+        self.spec = A.algorithm(r.algorithm)
         self.tok = data_setup.tokenizer(cfg)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         paths = data_setup.stage_paths(cfg, STAGE)
@@ -262,148 +212,208 @@ class RLStage(Stage):
     # -- one loop step ------------------------------------------------------------------------
 
     def step(self, step: int) -> dict:
-        self.metrics, self.timings = {}, {}
-        exp, rollout = self.make_experience(step)  # 1. generate, 2. score, 3. advantages
-        if exp is None:
-            return self._skip(step, "non-finite reward or advantage")
-        self.update(exp, step)  # 4. train critic, then actor
-        metrics, timings = self.metrics, self.timings
-        timings["end"] = time.perf_counter()
-        if not math.isfinite(metrics.get("actor/loss", 0.0)) or metrics.get("actor/skipped_steps", 0):
-            return self._skip(step, "non-finite loss")
-        self.nonfinite_in_a_row = 0
+        clock = PhaseClock(self.phases)
+        exp, metrics = self.generate(step, clock)             # 1. samples and their rewards
+        groups = self.score(exp, clock)                         # 2. log-probs and values
+        metrics.update(self.advantages(exp, groups, clock))     # 3.
+        if not metrics.pop("finite"):
+            return self._skip(step, "non-finite reward or advantage", clock)
+        metrics.update(self.train(exp, step, clock))            # 4. critic, then actor
+        skipped, total = metrics["actor/skipped_minibatches"], metrics.pop("actor/minibatches")
+        if skipped == total:
+            return self._skip(step, "non-finite loss", clock)
+        if skipped:  # some updates applied: keep the step's figures, but count it towards stopping
+            self._count_nonfinite(step, f"non-finite loss in {skipped:.0f} of {total} actor mini-batches")
+        else:
+            self.nonfinite_in_a_row = 0
         r = self.cfg.rl
         self.kl_ctl.update(metrics.get("kl/mean", 0.0), r.prompts_per_step * r.samples_per_prompt)
         self._check_kl_ceiling(metrics.get("kl/mean", 0.0), step)
         metrics["train/kl_coef"] = self.kl_ctl.value
-        metrics.update(self._timings(timings, rollout))
+        metrics.update(clock.metrics())
+        metrics["perf/generate_tokens_per_s"] = metrics.pop("rollout/generated_tokens") / max(
+            metrics["perf/generate_s"], 1e-9)
         metrics.update(self.phases.ledger.metrics("memory/"))
         for name, usage in self.phases.ledger.cuda.items():  # the allocator's own peak per phase
             metrics[f"memory/{name}_cuda_peak_gib"] = usage["peak"] / 2**30
         return metrics
 
-    def _phase(self, name: str) -> None:
-        self.timings[name] = time.perf_counter()
-        snap = self.phases.enter(name)
-        self.metrics[f"memory/{name}_device_gib"] = snap["device_bytes"] / 2**30
+    # 1. generate ------------------------------------------------------------------------------
 
-    def make_experience(self, step: int):
-        """(Experience with log-probs, values, scores and advantages, Rollout) for loop step
-        `step`; (None, rollout) when a reward or advantage is not finite on some rank."""
+    def generate(self, step: int, clock: PhaseClock) -> tuple[Experience, dict]:
+        """This rank's prompts_per_step / dp groups of samples with their scores, and the
+        rollout and reward metrics. With rl.dynamic_sampling, groups whose rewards are all
+        equal are replaced by groups of further prompts (up to max_resample_rounds generations)."""
         r = self.cfg.rl
-        batch = next(self.prompts)
-        self._phase("generate")
-        params = self._sampling(r.temperature, r.samples_per_prompt)
-        rows_per_rank = len(batch["prompt_ids"]) * r.samples_per_prompt
-        rollout = self.engine.generate(batch["prompt_ids"], params, seed=_mix(self.cfg.train.seed, step),
-                                       sample_offset=self.dp_rank * rows_per_rank)
-        exp = experience_from_rollout(rollout, self.tok.pad_id)
-        answers = [a for a in batch["answers"] for _ in range(r.samples_per_prompt)]
-        prompts_text = [m[-1]["content"] for m in batch["messages"] for _ in range(r.samples_per_prompt)]
-        responses = [self.tok.decode(ids, skip_special_tokens=True) for ids in rollout.responses()]
+        rounds = r.max_resample_rounds if r.dynamic_sampling else 1
+        parts, signals, reward_pairs, generated_tokens = [], [], {}, 0
+        for k in range(rounds):
+            batch = next(self.prompts)
+            params = self._sampling(r.temperature, r.samples_per_prompt)
+            rows_per_rank = len(batch["prompt_ids"]) * r.samples_per_prompt
+            seed = mix_seed(self.cfg.train.seed, step) if k == 0 else mix_seed(self.cfg.train.seed, step, k)
+            with clock.phase("generate"):
+                rollout = self.engine.generate(batch["prompt_ids"], params, seed=seed,
+                                               sample_offset=self.dp_rank * rows_per_rank)
+            generated_tokens += float(rollout.response_lens.sum()) * self.dp_size
+            exp = experience_from_rollout(rollout, self.tok.pad_id)
+            exp.scores = self._rewards(exp, batch, rollout, clock, reward_pairs)
+            parts.append(exp)
+            if r.dynamic_sampling:
+                signals.append(self._signal(exp))
+                if sum(map(sum, signals)) >= r.prompts_per_step:
+                    break
+        metrics = dp_means(reward_pairs)
+        metrics["reward/std"] = math.sqrt(max(metrics.pop("reward/sq_mean") - metrics["reward/mean"] ** 2, 0.0))
+        if r.dynamic_sampling:
+            exp, sampling = self._groups_with_signal(parts, signals)
+            metrics.update(sampling)
+        resp = (torch.tensor(exp.lengths) - exp.prompt_lens).double()
+        metrics.update(dp_means({"rollout/response_len_mean": (resp.sum(), len(resp)),
+                                 "rollout/stopped_fraction": (exp.stopped.double().sum(), len(resp))}))
+        metrics["rollout/response_len_max"] = dp_max(float(resp.max()))
+        metrics["rollout/generated_tokens"] = generated_tokens
+        return exp, metrics
+
+    def _rewards(self, exp: Experience, batch: dict, rollout, clock: PhaseClock, pairs: dict) -> torch.Tensor:
+        """Sequence scores: rule reward + coef x reward model at the last response token, plus
+        DAPO's overlong penalty; `pairs` collects the reward metrics (sum, count) of every round."""
+        from megarl.rewards import score_batch
+
+        r = self.cfg.rl
+        n = r.samples_per_prompt
+        scores = torch.zeros(exp.tokens.shape[0], dtype=torch.float32)
+        if self.reward_fn is not None:
+            with clock.timed("score_rule"):
+                answers = [a for a in batch["answers"] for _ in range(n)]
+                prompts_text = [m[-1]["content"] for m in batch["messages"] for _ in range(n)]
+                responses = [self.tok.decode(ids, skip_special_tokens=True) for ids in rollout.responses()]
+                result = score_batch(self.reward_fn, prompts_text, responses, answers,
+                                     max_fail_fraction=r.max_reward_failures)
+            rule = torch.tensor(result.scores, dtype=torch.float32)
+            scores += rule
+            _add(pairs, "reward/rule_mean", rule.double().sum(), len(rule))
+            _add(pairs, "reward/failed_fraction", float(result.n_failed), len(rule))
+            if r.reward_fn in ACCURACY_REWARDS:
+                _add(pairs, "reward/accuracy", (rule > 0).double().sum(), len(rule))
+        if "reward" in self.all_roles:
+            with clock.phase("score_reward"):
+                groups = plan_microbatches(exp.lengths, max_rows=r.micro_batch_size,
+                                           max_tokens=r.max_tokens_per_micro_batch)
+                values = collect_per_token(self.all_roles["reward"], exp, groups, lambda b, o: o.squeeze(-1))
+            rm = values[torch.arange(len(exp.lengths)), torch.tensor(exp.lengths) - 1]
+            scores += r.reward_model_coef * rm
+            _add(pairs, "reward/model_mean", rm.double().sum(), len(rm))
+        if r.overlong == "soft":
+            penalty = A.overlong_penalty(rollout.response_lens, r.max_new_tokens, r.overlong_buffer,
+                                         r.overlong_penalty)
+            scores += penalty
+            _add(pairs, "reward/overlong_penalty_mean", penalty.double().sum(), len(penalty))
+        scores = A.clip_rewards(scores, r.reward_clip)
+        _add(pairs, "reward/mean", scores.double().sum(), len(scores))
+        _add(pairs, "reward/sq_mean", (scores.double() ** 2).sum(), len(scores))
+        return scores
+
+    def _signal(self, exp: Experience) -> list[bool]:
+        """Per group of every DP rank, in global order: do its rewards differ?"""
+        local = A.groups_with_signal(exp.scores, self.cfg.rl.samples_per_prompt).tolist()
+        return [s for rank in dp_gather_objects(local) for s in rank]
+
+    def _groups_with_signal(self, parts: list[Experience], signal: list[list[bool]]) -> tuple[Experience, dict]:
+        """DAPO's dynamic sampling: the first prompts_per_step groups with signal over all rounds
+        (signal[round][global group], from _signal; global order: round, DP rank, group), filled up with groups without signal in the same
+        order if too few; spread over DP ranks as one round's groups are, so the step is the same
+        at any DP size. Only the chosen groups' rows move between ranks."""
+        r = self.cfg.rl
+        n, want = r.samples_per_prompt, r.prompts_per_step
+        per_rank = want // self.dp_size  # groups per DP rank, in every round
+        order = [(k, g) for k in range(len(parts)) for g in range(want) if signal[k][g]]
+        with_signal = len(order)
+        order += [(k, g) for k in range(len(parts)) for g in range(want) if not signal[k][g]]
+        chosen = order[:want]
+        mine = {}  # (round, global group) -> this rank's rows of it, for the chosen groups it holds
+        for k, g in chosen:
+            if g // per_rank == self.dp_rank:
+                local = g % per_rank
+                mine[(k, g)] = parts[k].rows(list(range(local * n, (local + 1) * n)))
+        held = {key: part for rank in dp_gather_objects(mine) for key, part in rank.items()}
+        share = chosen[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        exp = Experience.cat([held[key] for key in share], self.tok.pad_id)
+        generated = len(parts) * want
+        return exp, {"rollout/filtered_fraction": 1.0 - with_signal / generated,
+                     "rollout/sampling_rounds": float(len(parts)),
+                     "rollout/filled_groups": float(max(0, want - with_signal))}
+
+    # 2. score ---------------------------------------------------------------------------------
+
+    def score(self, exp: Experience, clock: PhaseClock) -> list[list[int]]:
+        """Old log-probs (recomputed or the rollout's), reference log-probs, values; returns the
+        micro-batch plan of these rows."""
+        r = self.cfg.rl
         groups = plan_microbatches(exp.lengths, max_rows=r.micro_batch_size, max_tokens=r.max_tokens_per_micro_batch)
-
         logprobs = _token_logprobs(self.cfg.model.vocab_size, r.temperature)
-        if r.old_logprobs == "rollout":  # the sampled distribution's own log-probs, moved to label columns
-            exp.old_logp = torch.zeros(exp.tokens.shape, dtype=torch.float32)
-            exp.old_logp[exp.mask] = rollout.logprobs[rollout.response_mask]
+        if r.old_logprobs == "rollout":  # the sampled distribution's own log-probs
+            exp.old_logp = exp.rollout_logp
         else:
-            self._phase("score_actor")
-            exp.old_logp = collect_per_token(self.actor, exp, groups, lambda b, o: logprobs(b, o)[0])
+            with clock.phase("score_actor"):
+                exp.old_logp = collect_per_token(self.actor, exp, groups, lambda b, o: logprobs(b, o)[0])
         if "reference" in self.all_roles:
-            self._phase("score_reference")
-            exp.ref_logp = collect_per_token(self.all_roles["reference"], exp, groups, lambda b, o: logprobs(b, o)[0])
+            with clock.phase("score_reference"):
+                exp.ref_logp = collect_per_token(self.all_roles["reference"], exp, groups,
+                                                 lambda b, o: logprobs(b, o)[0])
         if "critic" in self.all_roles:
-            self._phase("score_critic")
-            exp.values = collect_per_token(self.all_roles["critic"], exp, groups, lambda b, o: o.squeeze(-1))
-        exp.scores = self._scores(exp, prompts_text, responses, answers, groups)
+            with clock.phase("score_critic"):
+                exp.values = collect_per_token(self.all_roles["critic"], exp, groups, lambda b, o: o.squeeze(-1))
+        return groups
 
-        self.timings["advantages"] = time.perf_counter()
-        self._advantages(exp)
-        bad = not (bool(torch.isfinite(exp.scores).all()) and bool(torch.isfinite(exp.advantages).all()))
-        resp = rollout.response_lens.double()
-        self.metrics.update(dp_means({
-            "rollout/response_len_mean": (resp.sum(), len(resp)),
-            "rollout/stopped_fraction": (rollout.stopped.double().sum(), len(resp)),
-            "train/padding_waste": (padding_waste(exp.lengths, groups) * len(groups), len(groups))}))
-        self.metrics["rollout/response_len_max"] = dp_max(float(resp.max()))
-        return (None if dp_max(float(bad)) > 0 else exp), rollout
+    # 3. advantages ----------------------------------------------------------------------------
 
-    def update(self, exp: Experience, step: int) -> None:
+    def advantages(self, exp: Experience, groups: list[list[int]], clock: PhaseClock) -> dict:
+        """exp.advantages (and exp.returns) by the algorithm's spec; metrics, with "finite":
+        whether every reward and advantage of every DP rank is finite."""
+        r = self.cfg.rl
+        metrics = {}
+        with clock.timed("advantages"):
+            mask = exp.mask
+            kl = None
+            if exp.ref_logp is not None:
+                kl = A.kl_estimate(exp.old_logp, exp.ref_logp, r.kl_estimator) * mask
+                metrics.update(dp_means({"kl/mean": (kl.double().sum(), mask.sum())}))
+            penalty = self.kl_ctl.value * kl if (kl is not None and r.kl_in == "reward") else None
+            settings = A.AdvantageSettings(group_size=r.samples_per_prompt, gamma=r.gamma, lam=r.lam,
+                                           scale_by_std=r.scale_by_std)
+            exp.advantages, exp.returns = A.compute_advantages(
+                self.spec, exp.scores, mask, settings, kl_penalty=penalty, values=exp.values,
+                whiten_advantages=r.whiten_advantages, group=dp_group())
+            if exp.returns is not None:
+                metrics.update(dp_means({"critic/returns_mean": ((exp.returns.double() * mask).sum(), mask.sum())}))
+                ev = float(A.explained_variance(exp.values, exp.returns, mask, group=dp_group()))
+                if math.isfinite(ev):  # NaN when the returns do not vary
+                    metrics["critic/explained_variance"] = ev
+            if r.overlong == "filter":  # responses cut at max_new_tokens leave the loss
+                exp.mask = mask & exp.stopped[:, None]
+                exp.advantages = exp.advantages * exp.mask
+            bad = not (bool(torch.isfinite(exp.scores).all()) and bool(torch.isfinite(exp.advantages).all()))
+        metrics.update(dp_means({"train/padding_waste": (padding_waste(exp.lengths, groups) * len(groups), len(groups))}))
+        metrics["finite"] = dp_max(float(bad)) == 0
+        return metrics
+
+    # 4. train ---------------------------------------------------------------------------------
+
+    def train(self, exp: Experience, step: int, clock: PhaseClock) -> dict:
         """Critic first (on the values the actor's advantages were built from), then actor."""
+        metrics = {}
         if "critic" in self.all_roles:
-            self._phase("train_critic")
-            self.metrics.update(self._train(self.all_roles["critic"], exp, self._value_loss(), step, "critic"))
-        self._phase("train_actor")
-        self.metrics.update(self._train(self.actor, exp, self._policy_loss(), step, "actor"))
+            with clock.phase("train_critic"):
+                metrics.update(self._train(self.all_roles["critic"], exp, self._value_loss(), step, "critic"))
+        with clock.phase("train_actor"):
+            metrics.update(self._train(self.actor, exp, self._policy_loss(), step, "actor"))
+        return metrics
 
     def _sampling(self, temperature: float, n: int) -> SamplingParams:
         r = self.cfg.rl
         return SamplingParams(n=n, temperature=temperature, top_k=r.top_k, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens, stop_ids=tuple(self.tok.stop_ids))
-
-    def _scores(self, exp, prompts_text, responses, answers, groups) -> torch.Tensor:
-        """Sequence scores: rule reward (+ coef x reward model at the last response token)."""
-        from megarl.rewards import score_batch
-
-        r = self.cfg.rl
-        scores = torch.zeros(len(responses), dtype=torch.float32)
-        pairs = {}
-        if self.reward_fn is not None:
-            result = score_batch(self.reward_fn, prompts_text, responses, answers,
-                                 max_fail_fraction=r.max_reward_failures)
-            rule = torch.tensor(result.scores, dtype=torch.float32)
-            scores += rule
-            pairs["reward/rule_mean"] = (rule.double().sum(), len(rule))
-            pairs["reward/failed_fraction"] = (float(result.n_failed), len(rule))
-            if r.reward_fn in ACCURACY_REWARDS:
-                pairs["reward/accuracy"] = ((rule > 0).double().sum(), len(rule))
-        if "reward" in self.all_roles:
-            self._phase("score_reward")
-            last = torch.tensor(exp.lengths) - 1
-            values = collect_per_token(self.all_roles["reward"], exp, groups, lambda b, o: o.squeeze(-1))
-            rm = values[torch.arange(len(last)), last]
-            scores += r.reward_model_coef * rm
-            pairs["reward/model_mean"] = (rm.double().sum(), len(rm))
-        scores = A.clip_rewards(scores, r.reward_clip)
-        pairs["reward/mean"] = (scores.double().sum(), len(scores))
-        pairs["reward/sq_mean"] = ((scores.double() ** 2).sum(), len(scores))
-        means = dp_means(pairs)
-        means["reward/std"] = math.sqrt(max(means.pop("reward/sq_mean") - means["reward/mean"] ** 2, 0.0))
-        self.metrics.update(means)
-        return scores
-
-    def _advantages(self, exp: Experience) -> None:
-        r, algo = self.cfg.rl, self.cfg.rl.algorithm
-        mask = exp.mask
-        metrics = self.metrics
-        kl = None
-        if exp.ref_logp is not None:
-            kl = A.kl_estimate(exp.old_logp, exp.ref_logp, r.kl_estimator) * mask
-            metrics.update(dp_means({"kl/mean": (kl.double().sum(), mask.sum())}))
-        penalty = self.kl_ctl.value * kl if (kl is not None and r.kl_in == "reward") else None
-        n = r.samples_per_prompt
-        if algo in ("ppo", "reinforce_pp"):
-            token_r = A.token_rewards(exp.scores, mask, penalty)
-            if algo == "ppo":
-                adv, ret = A.gae_advantages(token_r, exp.values, mask, r.gamma, r.lam)
-                exp.returns = ret
-                metrics.update(dp_means({"critic/returns_mean": ((ret.double() * mask).sum(), mask.sum())}))
-            else:  # whitened over the global batch inside
-                adv = A.reinforce_pp_advantages(token_r, mask, r.gamma, group=dp_group())
-        else:
-            seq = exp.scores if penalty is None else exp.scores - penalty.sum(1)
-            if algo == "grpo":
-                seq_adv = A.grpo_advantages(seq, n, scale_by_std=r.scale_by_std)
-            elif algo == "rloo":
-                seq_adv = A.rloo_advantages(seq, n)
-            else:
-                seq_adv = A.reinforce_advantages(seq, n)
-            adv = A.broadcast_to_tokens(seq_adv, mask)
-        whiten = r.whiten_advantages if r.whiten_advantages is not None else algo == "ppo"
-        exp.advantages = (A.whiten(adv, mask, group=dp_group()) if whiten else adv * mask).float()
-
-    # -- losses ---------------------------------------------------------------------------------
 
     def _policy_loss(self):
         r = self.cfg.rl
@@ -423,56 +433,50 @@ class RLStage(Stage):
 
     def _value_loss(self):
         r = self.cfg.rl
-
-        def loss_fn(batch, values):
-            v = values.squeeze(-1)
-            loss_sum, count, metrics = A.value_loss(v, batch["values"], batch["returns"], batch["mask"],
-                                                    clip=r.value_clip)
-            m = batch["mask"].float()
-            ev = torch.stack([((v.detach().float() - batch["returns"]) ** 2 * m).sum().double(), m.sum().double()])
-            metrics["value_sq_err"] = ev
-            return loss_sum, count, metrics
-
-        return loss_fn
-
-    # -- updates --------------------------------------------------------------------------------
+        return lambda batch, values: A.value_loss(values.squeeze(-1), batch["values"], batch["returns"],
+                                                  batch["mask"], clip=r.value_clip)
 
     def _train(self, role: Role, exp: Experience, loss_fn, step: int, prefix: str) -> dict:
-        """ppo_epochs x mini_batches optimizer steps over this step's rows (see minibatch_rows)."""
+        """ppo_epochs x mini_batches optimizer steps over this step's rows (see minibatch_rows).
+        Metrics are means over the optimizer steps; skipped_minibatches counts the steps dropped
+        for a non-finite loss."""
         r = self.cfg.rl
         n = exp.tokens.shape[0]
         sums: dict = {}
+        skipped = 0
         for epoch in range(r.ppo_epochs):
-            assignment = minibatch_rows(n, self.dp_rank * n, r.mini_batches,
-                                        (self.cfg.train.seed, step, epoch))
+            assignment = minibatch_rows(n, self.dp_rank * n, r.mini_batches, (self.cfg.train.seed, step, epoch))
             for k, rows in enumerate(assignment):
                 plan = plan_microbatches([exp.lengths[i] for i in rows], max_rows=r.micro_batch_size,
                                          max_tokens=r.max_tokens_per_micro_batch)
                 mbs = [exp.microbatch([rows[i] for i in grp]) for grp in plan]
                 result = role.train_step(mbs, loss_fn, skip_nonfinite=True)
-                for key, v in {**result.metrics, "grad_norm": result.grad_norm, "lr": result.lr,
-                               "skipped_steps": float(result.skipped)}.items():
+                skipped += int(result.skipped)
+                for key, v in {**result.metrics, "grad_norm": result.grad_norm, "lr": result.lr}.items():
                     if epoch == 0 and k == 0 and key in ("ratio", "clip_fraction", "approx_kl"):
                         sums.setdefault(f"{key}_first_minibatch", []).append(v)
                     sums.setdefault(key, []).append(v)
-        out = {f"{prefix}/{k}": (sum(v) if k == "skipped_steps" else sum(v) / len(v)) for k, v in sums.items()}
+        out = {f"{prefix}/{k}": sum(v) / len(v) for k, v in sums.items()}
+        out[f"{prefix}/skipped_minibatches"] = float(skipped)
+        out[f"{prefix}/minibatches"] = r.ppo_epochs * r.mini_batches
         if prefix == "critic":
-            mse = out.pop("critic/value_sq_err", None)
-            m = exp.mask.double()
-            ret = exp.returns.double()
-            s = dp_sum(torch.stack([(ret * m).sum(), (ret ** 2 * m).sum(), m.sum()]))
-            var = s[1] / s[2] - (s[0] / s[2]) ** 2
-            if mse is not None and var > 0:
-                out["critic/explained_variance"] = 1.0 - mse / var.item()
+            out.pop("critic/minibatches")
         return out
 
-    def _skip(self, step: int, why: str) -> dict:
+    # -- stopping ---------------------------------------------------------------------------------
+
+    def _count_nonfinite(self, step: int, why: str) -> None:
         self.nonfinite_in_a_row += 1
-        log.warning("rl step %d skipped: %s (%d in a row)", step + 1, why, self.nonfinite_in_a_row)
+        log.warning("rl step %d: %s (%d in a row)", step + 1, why, self.nonfinite_in_a_row)
         if self.nonfinite_in_a_row >= self.cfg.rl.max_nonfinite_steps:
             raise StageStopped(f"rl: {self.nonfinite_in_a_row} steps in a row had a {why}; stopping "
                                "(the last good checkpoint is kept); lower optim.lr or check the reward function")
-        return {"train/skipped_steps": 1.0, **{k: v for k, v in self.metrics.items() if k.startswith("memory/")}}
+
+    def _skip(self, step: int, why: str, clock: PhaseClock) -> dict:
+        """A step with no update applied: counted towards stopping, only its memory figures logged."""
+        self._count_nonfinite(step, f"{why}, skipped")
+        memory = {k: v for k, v in clock.metrics().items() if k.startswith("memory/")}
+        return {"train/skipped_steps": 1.0, **memory}
 
     def _check_kl_ceiling(self, kl: float, step: int) -> None:
         r = self.cfg.rl
@@ -484,16 +488,6 @@ class RLStage(Stage):
                                f"for {self.kl_over_ceiling} steps (step {step + 1}); stopping with the last good "
                                "checkpoint kept: lower optim.lr or raise rl.kl_coef")
 
-    def _timings(self, timings: dict, rollout) -> dict:
-        names = list(timings)
-        out = {}
-        for a, b in zip(names, names[1:]):
-            out[f"perf/{a}_s"] = timings[b] - timings[a]
-        new_tokens = float(rollout.response_lens.sum()) * self.dp_size
-        if "perf/generate_s" in out:
-            out["perf/generate_tokens_per_s"] = new_tokens / max(out["perf/generate_s"], 1e-9)
-        return out
-
     # -- evaluation and state ---------------------------------------------------------------------
 
     def evaluate(self, step: int):
@@ -503,7 +497,7 @@ class RLStage(Stage):
         self.phases.enter("generate")
         return pass_at_k_eval(self.engine, self.eval_ds, self.tok, n_prompts=r.eval_prompts, k=r.eval_samples,
                               params=self._sampling(r.eval_temperature, r.eval_samples),
-                              seed=_mix(self.cfg.train.seed, 99991), reward_fn=self.eval_reward_fn)
+                              seed=mix_seed(self.cfg.train.seed, 99991), reward_fn=self.eval_reward_fn)
 
     @property
     def evaluate_first(self) -> bool:
@@ -522,6 +516,12 @@ class RLStage(Stage):
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
         self.kl_over_ceiling = state["kl_over_ceiling"]
+
+
+def _add(pairs: dict, name: str, total, count: int) -> None:
+    """Accumulate a (sum, count) metric over the rounds of one step."""
+    s, c = pairs.get(name, (0.0, 0))
+    pairs[name] = (s + float(total), c + count)
 
 
 def minibatch_rows(n_local: int, offset: int, mini_batches: int, key: tuple) -> list[list[int]]:
@@ -544,15 +544,6 @@ def minibatch_rows(n_local: int, offset: int, mini_batches: int, key: tuple) -> 
         for pos in range(m):
             out[perm[pos]].append(j + pos)
     return out
-
-
-def _mix(*values: int) -> int:
-    """A 62-bit seed from integers (splitmix-style), the same on every rank."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h & ((1 << 62) - 1)
 
 
 def build_stage(cfg: Config, stage_dir: str) -> RLStage:

@@ -40,7 +40,7 @@ def setup_logging(rank: int) -> None:
 def stage_session(cfg: Config, stage: str, keep_process_group: bool = False):
     """keep_process_group: the stage runs inside a pipeline (more stages follow in this process),
     which keeps the process group and its lock on the run dir (Pipeline.run releases it)."""
-    from megarl.tracking import create_tracker
+    from megarl.tracking import create_tracker, replay_stage_spills
     from megarl.trainers.data_setup import check_preflight
 
     check_preflight(cfg, stage)  # every rank, before any process group, run dir or MLflow run exists
@@ -51,6 +51,7 @@ def stage_session(cfg: Config, stage: str, keep_process_group: bool = False):
     run_dir = os.path.abspath(cfg.train.run_dir)
     stage_dir = os.path.join(run_dir, stage)
     parent = tracker = None
+    replays = []  # other stage dirs' spilled records, delivered alongside (a skipped stage's, too)
     status = "FAILED"
     locked = False
     try:
@@ -72,6 +73,8 @@ def stage_session(cfg: Config, stage: str, keep_process_group: bool = False):
                                  tags={"megarl.stage": stage})
         if is_rank0():
             tracker.log_artifact(os.path.join(stage_dir, "config.yaml"))
+            if t.backend == "mlflow":
+                replays = replay_stage_spills(run_dir, parent, exclude=[stage_dir, *_busy_stage_dirs(run_dir)])
         yield Session(cfg, env, run_dir, stage_dir, tracker)
     except BaseException as e:
         status = _status_of(e)
@@ -84,6 +87,8 @@ def stage_session(cfg: Config, stage: str, keep_process_group: bool = False):
         for tr in (tracker, parent):
             if tr is not None:
                 tr.close(status)
+        for tr in replays:
+            tr.close(None)
         if locked:
             run_lock.release(stage_dir)
         teardown(keep_process_group)
@@ -117,6 +122,12 @@ def _lock(run_dir: str, stage_dir: str, stage: str, pipeline: bool) -> bool:
     if not ok.item():
         raise error or run_lock.RunDirInUse(f"{stage_dir} is in use by another megarl process (rank 0 names it)")
     return taken
+
+
+def _busy_stage_dirs(run_dir: str) -> list[str]:
+    """Stage dirs another live process holds (its own tracker delivers their records)."""
+    return [d.path for d in os.scandir(run_dir) if d.is_dir() and run_lock.live_holder(
+        os.path.join(d.path, run_lock.LOCK_NAME), run_lock.this_process("")) is not None]
 
 
 def _command() -> str:

@@ -14,7 +14,7 @@ from megarl.config import Config
 from megarl.models.gpt import vocab_parallel_argmax
 from megarl.roles.role import Role
 from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
-from megarl.trainers import data_setup
+from megarl.trainers import data_setup, weights
 from megarl.trainers.common import SupervisedStage, token_logprobs
 from megarl.trainers.loop import train_stage
 
@@ -32,7 +32,7 @@ def sft_loss(vocab_size: int, with_accuracy: bool = True, with_exact_match: bool
             return loss_sum, count, metrics
         with torch.no_grad():
             hit = (vocab_parallel_argmax(logits.detach()) == labels) & (mask > 0)  # [b, s]
-            metrics["accuracy"] = torch.stack([hit.sum().double(), mask.sum().double()])
+            metrics["token_accuracy"] = torch.stack([hit.sum().double(), mask.sum().double()])
             if with_exact_match:
                 has = mask.sum(1) > 0
                 exact = ((hit | (mask == 0)).all(1) & has).sum()
@@ -47,7 +47,7 @@ def build_stage(cfg: Config, stage_dir: str) -> SupervisedStage:
     paths = data_setup.stage_paths(cfg, STAGE)
     role = Role(STAGE, cfg.model, cfg.parallel, head="lm", precision=cfg.train.precision, fp8=cfg.train.fp8,
                 seed=cfg.train.seed, optim=cfg.optim, schedule=cfg.lr_schedule, train_steps=cfg.train.steps)
-    data_setup.init_weights(cfg, role)
+    weights.init_weights(cfg, role)
     train = data_setup.train_iterator(cfg, paths["train"], "sft", tok, stage_dir)
     eval_ds = data_setup.dataset(cfg, paths["eval"], "sft", tok, packing=False) if paths["eval"] else None
     samples = data_setup.eval_prompts(cfg, paths["eval"], tok, cfg.sft.eval_samples) if paths["eval"] else []

@@ -1,0 +1,148 @@
+"""Where a role's weights come from, and the RL roles built from them: one module for the RL
+stage, `megarl eval` and the pre-flight checks.
+
+A source is a stage of this run dir (`sft`, `reward_model`: its latest checkpoint), a megarl
+checkpoint (root or step dir), a Hugging Face directory (config.json + safetensors), or
+`random` (train.seed's layout-invariant initialisation, for tests and benchmarks).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+from megarl import algorithms as A
+from megarl.config import Config, ConfigError
+from megarl.config.schema import role_config
+
+log = logging.getLogger("megarl")
+
+STAGE_COMMANDS = {"sft": "megarl sft", "reward_model": "megarl rm"}  # stage sources and what makes them
+LM_ROLES = ("sft", "actor", "reference")  # checkpoint role names whose output layer is an LM head
+ROLE_ALTERNATIVE = "or point it at a checkpoint or Hugging Face directory"
+
+
+def _stage_root(cfg: Config, stage: str) -> str:
+    return os.path.join(os.path.abspath(cfg.train.run_dir), stage, "checkpoints")
+
+
+def source_errors(cfg: Config, source: str | None, key: str, alternative: str = ROLE_ALTERNATIVE) -> list[str]:
+    """What stops `source` from being loaded, one line (cheap: run before anything is written)."""
+    if not source or source == "random":
+        return []
+    if source in STAGE_COMMANDS:
+        root = _stage_root(cfg, source)
+        if not os.path.isfile(os.path.join(root, "latest")):
+            return [f"{key}={source}: no checkpoint at {root}; run `{STAGE_COMMANDS[source]}` with the same "
+                    f"train.run_dir first, {alternative}"]
+        return []
+    if not os.path.exists(source):
+        return [f"{key}: {source} does not exist"]
+    return []
+
+
+def resolve_source(cfg: Config, source: str, key: str) -> str:
+    """The directory `source` stands for: a stage's latest (verified) checkpoint, a checkpoint
+    root's latest step, or the path itself (a step dir or an HF directory)."""
+    from megarl.checkpoint.distributed import latest_checkpoint, resolve_checkpoint
+
+    errs = source_errors(cfg, source, key)
+    if errs:
+        raise ConfigError(errs[0])
+    if source in STAGE_COMMANDS:
+        return latest_checkpoint(_stage_root(cfg, source))
+    return resolve_checkpoint(source)
+
+
+def init_weights(cfg: Config, role, model_cfg=None, skip_head: bool = False) -> None:
+    """model.init_from: a Hugging Face directory (config.json) or a megarl checkpoint.
+
+    skip_head: keep the role's own output layer (a scalar head on an LM's backbone)."""
+    src = (model_cfg or cfg.model).init_from
+    if not src:
+        return
+    if not os.path.exists(src):
+        raise ConfigError(f"model.init_from: {src} does not exist")
+    if os.path.isfile(os.path.join(src, "config.json")):
+        from megarl.checkpoint.hf import load_hf_checkpoint
+        from megarl.models.layout import load_full_state_dict
+
+        try:
+            _, weights = load_hf_checkpoint(src, lazy=True)  # each rank reads only its stage's tensors
+        except ValueError as e:
+            raise ConfigError(f"model.init_from: {e}") from e
+        load_full_state_dict(role.model, weights, (model_cfg or cfg.model).vocab_size,
+                             skip_prefixes=("output_layer.",) if skip_head else ())
+        if role.optimizer is not None:  # bf16/fp16: the optimizer's fp32 main copy follows the new weights
+            role.optimizer.reload_model_params()
+        return
+    from megarl.checkpoint.distributed import load_weights, resolve_checkpoint
+
+    load_weights(resolve_checkpoint(src), role, skip_head=skip_head)
+
+
+def load_role_weights(cfg: Config, role, source: str, key: str) -> str:
+    """Initialise `role` from `source` (see the module docstring); returns what it was loaded from.
+    A scalar head started from an LM checkpoint keeps its fresh head (the reverse is an error)."""
+    from megarl.checkpoint.distributed import MANIFEST, load_weights
+
+    if source == "random":
+        return "random initialisation"
+    path = resolve_source(cfg, source, key)
+    if os.path.isfile(os.path.join(path, "config.json")):  # Hugging Face: an LM (a scalar role keeps its head)
+        init_weights(cfg, role, dataclasses.replace(role.model_cfg, init_from=path), skip_head=role.head != "lm")
+        return path
+    with open(os.path.join(path, MANIFEST)) as f:
+        saved = json.load(f)["roles"]
+    name = role.name if role.name in saved else (saved[0] if len(saved) == 1 else None)
+    if name is None:
+        raise ConfigError(f"{key}: {path} holds roles {', '.join(saved)}; none is named {role.name}")
+    saved_head = "lm" if name in LM_ROLES else "scalar"
+    if saved_head == "scalar" and role.head == "lm":
+        raise ConfigError(f"{key}: {path} holds a scalar-head model ({name}); the {role.name} needs a language model")
+    load_weights(path, role, saved_role=name, skip_head=saved_head != role.head)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The RL roles
+
+
+def needed_roles(cfg: Config) -> list[str]:
+    """Which roles exist follows the algorithm and the reward (algorithms/spec.py)."""
+    return A.needed_roles(cfg.rl)
+
+
+def role_source_errors(cfg: Config) -> list[str]:
+    """source_errors for every RL role (actor and reference both from "sft": one line)."""
+    errs, seen = [], set()
+    for name in needed_roles(cfg):
+        src = role_config(cfg, name).init_from
+        if src not in seen:
+            seen.add(src)
+            errs += source_errors(cfg, src, f"roles.{name}.init_from")
+    return errs
+
+
+def optimizer_steps(cfg: Config) -> int:
+    """The RL LR schedule's length: optimizer steps, not loop steps."""
+    return cfg.train.steps * cfg.rl.ppo_epochs * cfg.rl.mini_batches
+
+
+def build_role(cfg: Config, name: str, *, trained: bool):
+    """The RL role `name` at the run's layout, its settings resolved (roles.<name> over the
+    top-level ones), initialised from roles.<name>.init_from."""
+    from megarl.roles.role import Role
+
+    rc = role_config(cfg, name)
+    role = Role(name, rc.model, cfg.parallel, head="lm" if name in LM_ROLES else "scalar",
+                precision=rc.precision, fp8=cfg.train.fp8, seed=cfg.train.seed,
+                optim=rc.optim if trained else None, schedule=rc.lr_schedule, train_steps=optimizer_steps(cfg))
+    src = load_role_weights(cfg, role, rc.init_from, f"roles.{name}.init_from")
+    log.info("%s initialised from %s", name, src)
+    return role
+
+
+def build_roles(cfg: Config) -> dict:
+    return {name: build_role(cfg, name, trained=name in ("actor", "critic")) for name in needed_roles(cfg)}
