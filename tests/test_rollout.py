@@ -1,6 +1,6 @@
 """Rollout engine: KV-cache sampling on the actor's megatron-core model.
 
-References are independent: the no-cache greedy loop of rollout/greedy.py, and a float64
+References are independent: the no-cache greedy loop of tests/greedy_reference.py, and a float64
 softmax with temperature / top-k / top-p written here over a full no-cache forward. Layouts
 (TP2, PP2) are in test_rollout_dist.py.
 """
@@ -69,11 +69,12 @@ def _reference_logprobs(z, token, temperature, top_k, top_p):
 
 
 def _single_body(rank, world_size):
+    from greedy_reference import greedy_generate
+
     from megarl.config import OptimConfig, ParallelConfig
     from megarl.models.layout import unwrap
     from megarl.roles.role import Role
     from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
-    from megarl.rollout.greedy import greedy_generate
     from megarl.runtime.distributed import init_distributed, teardown
 
     init_distributed(1, 1, seed=11)

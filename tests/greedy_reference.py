@@ -1,8 +1,8 @@
-"""Greedy decoding through a Role's pipeline, for evaluation samples.
+"""Greedy decoding through a Role's pipeline without a KV cache: the reference the rollout
+engine's tests compare against.
 
-No KV cache: every new token re-runs the whole (short) sequence, which is simple and exact at
-any TP/PP layout. The RL rollout engine (batched, KV-cached, sampled) replaces this for
-throughput; evaluation keeps this as its reference.
+Every new token re-runs the whole (short) sequence, which is simple and exact at any TP/PP
+layout; megarl's rollout engine (batched, KV-cached, sampled) must produce the same tokens.
 """
 from __future__ import annotations
 
