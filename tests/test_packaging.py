@@ -3,16 +3,17 @@ runs `megarl sft` from a directory outside the repository with a shipped config.
 development install (`pip install --no-build-isolation -e .[dev]`, as launchers/local/setup.sh
 runs it) resolves every dependency from what is installed, so it never reinstalls torch.
 
-The venvs see the system's site-packages (torch, megatron-core, mlflow are not downloaded
-again; pip runs with --no-index, so anything missing fails the test instead of downloading),
-and each test checks that `megarl` is imported from the venv, not from the repository's
-editable install.
+The venvs see the site-packages of the environment running the tests, whatever its base
+interpreter holds (torch, megatron-core, mlflow are not downloaded again; pip runs with
+--no-index, so anything missing fails the test instead of downloading), and each test checks
+that `megarl` is imported from the venv, not from the repository's editable install.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -41,10 +42,17 @@ def _run(cmd, cwd, timeout=300) -> subprocess.CompletedProcess:
 
 
 def _venv(path: Path) -> Path:
-    # No pip of its own: ensurepip's old setuptools would shadow the system's and fail torch's
-    # requirement on it; the system's pip installs into the venv it is run from.
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", path], cwd=path.parent)
-    return path / "bin" / "python"
+    """A venv that sees this environment's site-packages, after its own. `--system-site-packages`
+    would show the base interpreter's instead: where torch lives only in the venv running the
+    tests (a fresh machine, CI), pip then found neither safetensors nor wheel. The directories
+    are added by a .pth file as plain paths, so their own .pth files (the repository's editable
+    megarl) are not. No pip of its own: ensurepip's old setuptools would shadow this env's and
+    fail torch's requirement on it; this env's pip installs into the venv it is run from."""
+    _run([sys.executable, "-m", "venv", "--without-pip", path], cwd=path.parent)
+    python = path / "bin" / "python"
+    own = _run([python, "-c", "import site; print(site.getsitepackages()[0])"], cwd=path.parent).stdout.split()[-1]
+    Path(own, "_megarl_test_parent_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return python
 
 
 def _imported_from(python: Path, module: str, cwd: Path) -> Path:

@@ -24,9 +24,11 @@ import shutil
 import numpy as np
 import torch
 
+from megarl.checkpoint.write_results import FileQueue
 from megarl.roles.offload import resident_during
 from megarl.runtime.distributed import barrier, is_rank0
 from megarl.utils.atomic import write_atomic
+from megarl.utils.processes import signals_blocked
 
 MANIFEST = "megarl_manifest.json"
 # Which run wrote a checkpoint, per root: the keep-N cleanup deletes only checkpoints of the run
@@ -112,25 +114,15 @@ def _fsync_tree(path: str) -> dict:
 
 
 def _signal_proof_write_queue() -> None:
-    """megatron-core's checkpoint writer returns its results through a queue served by a
-    multiprocessing manager process, started at the first save and kept for the next ones.
-    SLURM sends SIGTERM (requeue, pre-emption, scancel, time limit) and srun-forwarded signals to
-    every process of the job step, that server included, and it dies of it: the pre-emption
-    checkpoint written right after the signal then fails (BrokenPipeError) and the steps since
-    the last periodic checkpoint are lost. Start that server here, with SIGTERM and SIGUSR1
-    blocked (it already ignores SIGINT; SIGKILL still ends it)."""
-    import signal
-
+    """megatron-core's checkpoint writer returns its results through a module-level queue whose
+    default is served by a spawned multiprocessing Manager: it re-imports the user's `__main__`
+    and a job's SIGTERM can kill it (write_results.py says why both break). Give megatron a
+    FileQueue instead, once per process: no helper process at all."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", False) is not None:  # started, or not this megatron
+    if getattr(filesystem_async, "_results_queue", False) is not None:  # set, or not this megatron
         return
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
-
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # megatron's own choice of context
-    manager.start(signal.pthread_sigmask, (int(signal.SIG_BLOCK), (int(signal.SIGTERM), int(signal.SIGUSR1))))
-    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+    filesystem_async._results_queue = FileQueue()
 
 
 def step_dir_name(step: int) -> str:
@@ -168,13 +160,15 @@ def save_checkpoint(root: str, step: int, roles: dict, state: dict, keep_last: i
             on_durable(final)
 
     if async_queue is None:
-        dist_checkpointing.save(sd, tmp)
+        with signals_blocked():  # the writer processes it forks: the job's signals are the trainer's
+            dist_checkpointing.save(sd, tmp)
         publish()
     else:
         request = dist_checkpointing.save(sd, tmp, TorchDistSaveShardedStrategy("torch_dist", 1),
                                           async_sharded_save=True)
         request.add_finalize_fn(publish)
-        async_queue.schedule_async_request(request)
+        with signals_blocked():  # the forked writer (and the processes it forks) likewise
+            async_queue.schedule_async_request(request)
     return final
 
 

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from megarl.data.errors import DataError
+from megarl.utils.processes import signals_blocked
 
 _FILL_SUFFIXES = ("tokens", "target_mask", "segment_ids")
 
@@ -230,7 +231,8 @@ class DataIterator(ResumableIterator):
         sampler = self._sampler(len(self.dataset), consumed_samples)
         loader = DataLoader(self.dataset, batch_sampler=sampler, collate_fn=self.collate_fn,
                             num_workers=self.num_workers, pin_memory=self.pin_memory)
-        self._it = iter(loader)
+        with signals_blocked():  # its worker processes start here: the job's SIGTERM is the trainer's
+            self._it = iter(loader)
 
     def __next__(self) -> dict:
         batch = next(self._it)

@@ -17,6 +17,7 @@ import torch
 from megarl.data.batching import Collator, GlobalBatchSampler, ResumableIterator, make_collator
 from megarl.data.errors import DataError
 from megarl.data.preprocess import load_preprocessed
+from megarl.utils.processes import signals_blocked
 
 
 def import_dali():
@@ -67,6 +68,9 @@ class DaliDataIterator(ResumableIterator):
 
     Same constructor arguments, batches, consumed_samples and state_dict as batching.DataIterator.
     device_id=None runs the pipeline on CPU (tests); an int puts batches on that GPU.
+    py_workers > 0 (not used by the trainers, which read in DALI's threads) starts DALI's Python
+    workers with spawn (fork is unsafe once CUDA is up), which re-imports the main script: call
+    it under `if __name__ == "__main__":` then.
     """
 
     def __init__(self, data_dir: str, micro_batch_size: int, global_batch_size: int, dp_rank: int = 0,
@@ -111,7 +115,8 @@ class DaliDataIterator(ResumableIterator):
             return tuple(outs)
 
         pipe = pipeline()
-        pipe.build()
+        with signals_blocked():  # py_workers > 0: DALI's worker processes start here
+            pipe.build()
         return pipe
 
     def __next__(self) -> dict:
