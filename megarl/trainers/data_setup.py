@@ -28,21 +28,34 @@ def tokenizer(cfg: Config):
 
 
 def stage_paths(cfg: Config, stage: str) -> dict:
-    """Train/eval files: the configured ones (data.train_path / eval_path; RL: rl.prompts_path /
-    eval_prompts_path), or the seeded synthetic task under <run_dir>/data."""
-    section, (train_key, eval_key) = ("rl", ("prompts_path", "eval_prompts_path")) if stage == "rl" \
-        else ("data", ("train_path", "eval_path"))
+    """Train/eval files: the configured ones (data.train_path / eval_path; RL and eval:
+    rl.prompts_path / eval_prompts_path). Without a train file, the seeded synthetic task under
+    <run_dir>/data stands in for it and for an eval file not given; a train file without an eval
+    file means no evaluation. `megarl eval` reads the eval file only."""
+    section, keys = _sections(stage)
     given = getattr(cfg, section)
-    if getattr(given, train_key):
-        for key in (train_key, eval_key):
-            path = getattr(given, key)
-            if path and not os.path.exists(path):
-                raise ConfigError(f"{section}.{key}: {path} does not exist")
-        return {"train": getattr(given, train_key), "eval": getattr(given, eval_key)}
-    out = os.path.join(os.path.abspath(cfg.train.run_dir), "data")
-    _synthetic_task(cfg, out)
-    train, test = SYNTHETIC[stage]
-    return {"train": os.path.join(out, train), "eval": os.path.join(out, test)}
+    paths = {}
+    for which, key in zip(("train", "eval"), keys):
+        paths[which] = getattr(given, key)
+        if paths[which] and not os.path.exists(paths[which]):
+            raise ConfigError(f"{section}.{key}: {paths[which]} does not exist")
+    if stage == "eval":  # `megarl eval` reads held-out prompts only
+        paths["train"] = None
+    synthetic = not getattr(given, keys[0]) or stage == "eval"
+    missing = [w for w in (("eval",) if stage == "eval" else ("train", "eval")) if synthetic and not paths[w]]
+    if missing:
+        out = os.path.join(os.path.abspath(cfg.train.run_dir), "data")
+        _synthetic_task(cfg, out)
+        names = dict(zip(("train", "eval"), SYNTHETIC["rl" if stage == "eval" else stage]))
+        for which in missing:
+            paths[which] = os.path.join(out, names[which])
+    return paths
+
+
+def _sections(stage: str) -> tuple[str, tuple[str, str]]:
+    if stage in ("rl", "eval"):
+        return "rl", ("prompts_path", "eval_prompts_path")
+    return "data", ("train_path", "eval_path")
 
 
 def data_seed(cfg: Config) -> int:
@@ -171,7 +184,11 @@ def preflight(cfg: Config, stage: str | None) -> list[str]:
     Cheap (counts lines, loads the tokenizer); runs before the run dir is touched, on every rank."""
     stage = STAGE_ALIASES.get(stage, stage)
     errs = _run_dir_errors(cfg.train.run_dir) + _tokenizer_errors(cfg)
-    if stage not in (None, "sft", "reward_model", "rl"):  # e.g. "eval": no training data, no start checkpoint
+    if stage in ("rl", "eval"):
+        errs += _reward_fn_errors(cfg, stage)
+    if stage == "eval":  # its held-out prompts; the checkpoint is named on the command line
+        return errs + _data_errors(cfg, "rl", ("eval_prompts_path",), 0, "")
+    if stage not in (None, "sft", "reward_model", "rl"):
         return errs
     if stage == "rl":
         r = cfg.rl
@@ -237,21 +254,38 @@ def _count_records(path: str) -> int | None:
 
 
 def _data_errors(cfg: Config, section: str, keys: tuple, batch: int, batch_key: str, synthetic: bool = True) -> list[str]:
+    """Every configured file of `keys` exists (an eval file counts without a train file too); the
+    first key's file, or the synthetic task in its place, holds at least one batch."""
     given = getattr(cfg, section)
+    errs = [f"{section}.{key}: {getattr(given, key)} does not exist" for key in keys
+            if getattr(given, key) and not os.path.exists(getattr(given, key))]
+    if errs or not batch:
+        return errs
     train = getattr(given, keys[0])
     if not train:
         n = cfg.data.synthetic.n_train
         if synthetic and n < batch:
             return [f"data.synthetic.n_train ({n}) is smaller than one batch ({batch_key}={batch})"]
         return []
-    errs = []
-    for key in keys:
-        path = getattr(given, key)
-        if path and not os.path.exists(path):
-            errs.append(f"{section}.{key}: {path} does not exist")
-    if errs:
-        return errs
     n = _count_records(train)
     if n is not None and n < batch:
         errs.append(f"{section}.{keys[0]}: {train} has {n} records, fewer than one batch ({batch_key}={batch})")
+    return errs
+
+
+def _reward_fn_errors(cfg: Config, stage: str) -> list[str]:
+    """rl.reward_fn (RL) and rl.eval_reward_fn load: a typo or a missing module is one line here,
+    not a traceback after every role is built."""
+    from megarl.rewards import load_reward_fn
+
+    keys = ("reward_fn", "eval_reward_fn") if stage == "rl" else ("eval_reward_fn",)
+    errs = []
+    for key in keys:
+        spec = getattr(cfg.rl, key)
+        if spec is None:
+            continue
+        try:
+            load_reward_fn(spec)
+        except Exception as e:  # a user module may raise anything on import
+            errs.append(f"rl.{key}: {e}".splitlines()[0])
     return errs

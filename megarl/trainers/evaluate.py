@@ -34,7 +34,10 @@ def metric_names(k: int) -> tuple[str, str, str]:
 def pass_at_k_eval(engine, dataset, tok, *, n_prompts: int, k: int, params, seed: int, reward_fn) -> tuple[dict, list]:
     """(metrics, sample rows) over the first `n_prompts` prompts of `dataset`, k samples each.
 
-    A sample is correct when its reward is > 0 (use a 0/1 reward such as final_answer)."""
+    A sample is correct when its reward is > 0 (use a 0/1 reward such as final_answer). With an
+    engine that has tools (rl.tools), pass@k is with tools, and the tool metrics come too: calls
+    and failed calls per sample, the share of calls that succeed, observation tokens per sample,
+    the share of samples ended on the call limit."""
     from megatron.core import parallel_state as ps
 
     from megarl.rewards import pass_at_k, score_batch
@@ -46,6 +49,9 @@ def pass_at_k_eval(engine, dataset, tok, *, n_prompts: int, k: int, params, seed
     lo, hi = rank * n // dp, (rank + 1) * n // dp
     items = [dataset[i] for i in range(lo, hi)]
     pairs = {p1_name: (0.0, 0), pk_name: (0.0, 0), mk_name: (0.0, 0), "response_len": (0.0, 0)}
+    tools = getattr(engine, "tools", None) is not None
+    if tools:
+        pairs.update({name: (0.0, 0) for name in TOOL_METRICS})
     rows, graded = [], 0.0  # graded: some score is neither 0 nor 1, so mean@k says more than pass@1
     if items:
         rollout = engine.generate([it["prompt_ids"] for it in items], params, seed=seed, sample_offset=lo * k)
@@ -66,9 +72,25 @@ def pass_at_k_eval(engine, dataset, tok, *, n_prompts: int, k: int, params, seed
         pairs = {p1_name: (p1, m), pk_name: (pk, m), mk_name: (mk, m), "response_len": (lens.sum().item(), len(lens))}
         rows = [{"prompt": prompts[i * k], "completion": texts[i * k], "answer": answers[i * k],
                  "reward": scores[i * k]} for i in range(min(m, SAMPLE_ROWS))]
+        if tools:
+            pairs.update(tool_metric_pairs(rollout))
+            for i, row in enumerate(rows):
+                row["tool_calls"] = int(rollout.tool_calls[i * k])
     if not dp_max(graded):
         del pairs[mk_name]
     return dp_means(pairs), rows if rank == 0 else []
+
+
+TOOL_METRICS = ("tool_calls_per_sample", "tool_errors_per_sample", "tool_call_success", "observation_tokens",
+                "tool_call_limit_rows")
+
+
+def tool_metric_pairs(rollout) -> dict:
+    """{metric: (sum, count)} of a Rollout's tool stats (megarl.rollout.engine.Rollout), for dp_means."""
+    n, calls, errors = len(rollout.tool_calls), rollout.tool_calls.sum().item(), rollout.tool_errors.sum().item()
+    return {"tool_calls_per_sample": (calls, n), "tool_errors_per_sample": (errors, n),
+            "tool_call_success": (calls - errors, calls), "observation_tokens": (rollout.observation_tokens.sum().item(), n),
+            "tool_call_limit_rows": (rollout.hit_call_limit.sum().item(), n)}
 
 
 def run_eval(cfg: Config, checkpoint: str | None = None, hf: str | None = None) -> dict:
@@ -89,7 +111,7 @@ def run_eval(cfg: Config, checkpoint: str | None = None, hf: str | None = None) 
         raise ConfigError("megarl eval: give --checkpoint or --hf, not both")
     with stage_session(cfg, STAGE) as s:
         tok = data_setup.tokenizer(cfg)
-        paths = data_setup.stage_paths(cfg, "rl")
+        paths = data_setup.stage_paths(cfg, "eval")
         if not paths["eval"]:
             raise ConfigError("megarl eval: no held-out prompts (set rl.eval_prompts_path)")
         ds = data_setup.prompt_dataset(cfg, paths["eval"])
