@@ -139,3 +139,66 @@ def test_python_tool_network_namespace_has_no_route(python_tool):
                           "    print('connected')\nexcept OSError as e:\n    print('blocked', e.errno)"],
                          capture_output=True, text=True, timeout=10)
     assert out.stdout.startswith("blocked"), out
+
+
+# ------------------------------------------------------------------ config and evaluation
+
+
+def test_config_tool_fields_validated_one_line_each(tmp_path):
+    from megarl.config import check_config, load_config
+    from megarl.rollout.tools import make_toolbox
+
+    cfg = load_config(None, ["rl.tools=[calculator]", "rl.max_tool_calls=2", "rl.tool_timeout_s=0.5"])
+    assert check_config(cfg, 1, stage="rl") == []
+    box = make_toolbox(cfg.rl.tools, max_calls=cfg.rl.max_tool_calls, timeout_s=cfg.rl.tool_timeout_s,
+                       max_output_chars=cfg.rl.tool_max_output_chars, python=cfg.rl.python_tool)
+    assert box.max_calls == 2 and box.tools[0].timeout_s == 0.5 and make_toolbox([], max_calls=1, timeout_s=1,
+                                                                                   max_output_chars=1) is None
+    bad = load_config(None, ["rl.tools=[calculator, python, nope, calculator, missing.py:f]", "rl.max_tool_calls=0",
+                             "rl.tool_timeout_s=-1", "rl.tool_max_output_chars=0"])
+    errs = [e for e in check_config(bad, 1, stage="rl") if "tool" in e]
+    assert errs == [
+        "rl.tools has python, which runs model-written code: set rl.python_tool=true to allow it",
+        "rl.tools[2] is 'nope': expected a built-in (calculator, python) or 'module:function'",
+        "rl.tools[4] is 'missing.py:f': file not found: missing.py",
+        "rl.tools lists a tool twice: ['calculator', 'python', 'nope', 'calculator', 'missing.py:f']",
+        "rl.max_tool_calls must be >= 1, got 0",
+        "rl.tool_timeout_s must be in (0, 3600] seconds, got -1.0",
+        "rl.tool_max_output_chars must be >= 1, got 0",
+    ]
+    assert check_config(load_config(None, ["rl.tools=[python]", "rl.python_tool=true"]), 1, stage="rl") == []
+
+
+def test_eval_reports_tool_metrics(monkeypatch):
+    """pass@k with a tool-using engine: the tool metrics are the rollouts' own counts, averaged."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megarl.trainers.evaluate import pass_at_k_eval
+
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(ps, "get_data_parallel_rank", lambda: 0)
+    k, n = 2, 3
+    calls = torch.tensor([0, 1, 2, 3, 1, 0])
+    errors = torch.tensor([0, 1, 0, 1, 0, 0])
+
+    class Engine:
+        tools = object()
+
+        def generate(self, prompts, params, seed, sample_offset):
+            return SimpleNamespace(responses=lambda: [[i] for i in range(n * k)], response_lens=torch.full((n * k,), 5),
+                                   tool_calls=calls, tool_errors=errors, observation_tokens=calls * 3,
+                                   hit_call_limit=calls == 3)
+
+    data = [{"prompt_ids": [1], "messages": [{"content": f"q{i}"}], "answer": "1"} for i in range(n)]
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens: str(ids[0]))
+    metrics, rows = pass_at_k_eval(Engine(), data, tok, n_prompts=n, k=k, params=SimpleNamespace(n=k), seed=0,
+                                   reward_fn=lambda p, r, a: [float(int(x) % 2) for x in r])
+    assert metrics["tool_calls_per_sample"] == pytest.approx(7 / 6)
+    assert metrics["tool_errors_per_sample"] == pytest.approx(2 / 6)
+    assert metrics["tool_call_success"] == pytest.approx(5 / 7)
+    assert metrics["observation_tokens"] == pytest.approx(21 / 6)
+    assert metrics["tool_call_limit_rows"] == pytest.approx(1 / 6)
+    assert metrics["pass_at_1"] == pytest.approx(0.5) and [r["tool_calls"] for r in rows] == [0, 2, 1]

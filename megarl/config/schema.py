@@ -297,6 +297,13 @@ class RLConfig:
     eval_samples: int = 4  # k of pass@k (samples per held-out prompt)
     eval_reward_fn: str = "final_answer"  # a sample passes when this reward is > 0
     eval_temperature: float = 1.0
+    # tools the policy may call inside a response, in rollouts and in evaluation (`megarl eval`)
+    # (megarl/rollout/tools.py): built-in names (calculator; python) or module:function
+    tools: list[str] = field(default_factory=list)
+    max_tool_calls: int = 4  # per sample; a call beyond it ends the sample (counted, never an error)
+    tool_timeout_s: float = 5.0  # per call; a timeout is an `error: ...` observation
+    tool_max_output_chars: int = 256  # a tool's output is cut there
+    python_tool: bool = False  # allow the python tool (runs model-written code in a limited subprocess)
 
 
 @dataclass

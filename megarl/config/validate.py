@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 
 import torch
 
@@ -178,6 +179,32 @@ def _fp8_rules(cfg: Config, cuda: bool, device: DeviceInfo | None) -> list[str]:
                       device or DeviceInfo(cuda))
 
 
+TOOL_BUILTINS = ("calculator", "python")  # megarl/rollout/tools.py's BUILTIN_TOOLS (config imports nothing of megarl)
+
+
+def _tool_rules(cfg: Config) -> list[str]:
+    """rl.tools and its limits (rollouts and `megarl eval`); user tools are imported when the stage
+    builds them, which names an import error in one line too."""
+    r, errs = cfg.rl, []
+    for i, spec in enumerate(r.tools):
+        module, sep, attr = spec.strip().rpartition(":")
+        if spec == "python" and not r.python_tool:
+            errs.append("rl.tools has python, which runs model-written code: set rl.python_tool=true to allow it")
+        elif spec not in TOOL_BUILTINS and not (sep and module and attr):
+            errs.append(f"rl.tools[{i}] is {spec!r}: expected a built-in ({', '.join(TOOL_BUILTINS)}) or 'module:function'")
+        elif module.endswith(".py") and not os.path.isfile(module):
+            errs.append(f"rl.tools[{i}] is {spec!r}: file not found: {module}")
+    if len(set(r.tools)) != len(r.tools):
+        errs.append(f"rl.tools lists a tool twice: {r.tools}")
+    if r.max_tool_calls < 1:
+        errs.append(f"rl.max_tool_calls must be >= 1, got {r.max_tool_calls}")
+    if not 0 < r.tool_timeout_s <= 3600:
+        errs.append(f"rl.tool_timeout_s must be in (0, 3600] seconds, got {r.tool_timeout_s}")
+    if r.tool_max_output_chars < 1:
+        errs.append(f"rl.tool_max_output_chars must be >= 1, got {r.tool_max_output_chars}")
+    return errs
+
+
 def check_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: str | None = None,
                  device: DeviceInfo | None = None) -> list[str]:
     """All violations of the cross-field rules, one line each (empty list: valid). stage="rl"
@@ -261,6 +288,7 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: 
         errs.append("checkpoint.keep_last must be >= 1 and checkpoint.save_interval >= 0")
     if cfg.launcher.backend == "nccl" and not cuda:
         errs.append("launcher.backend=nccl needs CUDA GPUs; use auto or gloo on CPU")
+    errs += _tool_rules(cfg)
     if stage == "rl":
         errs += _rl_rules(cfg, world_size, cuda)
     return errs

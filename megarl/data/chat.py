@@ -10,8 +10,18 @@ we render growing prefixes of the conversation and diff token counts:
 
 This holds only if every prefix tokenises to a prefix of the full conversation ("prefix-stable");
 we verify that and raise ChatTemplateError otherwise, rather than train on a wrong mask.
+
+Tool turns are inline in the assistant's text, in the protocol of megarl/rollout/tools.py, as in
+nanochat: the model writes the call, the rollout injects the tool's output (an observation) and
+the model goes on, all in one assistant turn. In a demonstration, an observation is recognised
+by its markers: GSM8K's calculator annotation `<<48/2=24>>` is the call `<<48/2=` (trained) and
+the observation `24>>` (masked out: the model never writes it, so it is not learned); a python
+or user tool's `<output>...</output>` after its call is an observation too. Text is tokenised
+piece by piece at those boundaries, exactly as the rollout tokenises it (the sampled call, then
+`encode(observation)`), so SFT and RL see the same tokens.
 """
 import json
+import re
 from datetime import datetime
 
 from megarl.data.errors import DataError
@@ -29,6 +39,37 @@ CHATML_START, CHATML_END = "<|im_start|>", "<|im_end|>"
 def render_chatml(messages: list[dict], add_generation_prompt: bool = False) -> str:
     text = "".join(f"{CHATML_START}{m['role']}\n{m['content']}{CHATML_END}\n" for m in messages)
     return text + (f"{CHATML_START}assistant\n" if add_generation_prompt else "")
+
+
+# Observations inside assistant text (megarl/rollout/tools.py's protocol): the calculator's result
+# after `<<expression=` up to `>>`, and any `<output>...</output>`.
+_OBSERVATION = re.compile(r"<<[0-9+\-*/%().,\s]{1,200}=([^<>\n]{0,200}>>)|(<output>.*?</output>)", re.DOTALL)
+
+
+def tool_segments(text: str) -> list[tuple[str, bool]]:
+    """text -> [(piece, is_observation)], in order, joining back to text (no empty pieces)."""
+    out, pos = [], 0
+    for m in _OBSERVATION.finditer(text):
+        group = 1 if m.group(1) is not None else 2
+        start = m.start(group)
+        if start > pos:
+            out.append((text[pos: start], False))
+        out.append((m.group(group), True))
+        pos = m.end(group)
+    if pos < len(text):
+        out.append((text[pos:], False))
+    return out
+
+
+def encode_with_observations(encode, text: str) -> tuple[list[int], list[int]]:
+    """Token ids of text, encoded piece by piece at observation boundaries, and a 0/1 flag per
+    token (1 = observation). Text without observations is encode(text) itself."""
+    ids, observed = [], []
+    for piece, is_obs in tool_segments(text):
+        piece_ids = encode(piece)
+        ids += piece_ids
+        observed += [int(is_obs)] * len(piece_ids)
+    return ids, observed
 
 
 def compile_jinja_template(source: str):

@@ -19,6 +19,12 @@ pairs reach 0.99 (docs/benchmarks.md, "Reward model on the synthetic pairs").
 demonstrations (a noisy teacher, as real SFT data has one): the SFT model then samples such
 mistakes at temperature 1, and RL with the rule reward or the RM has room to remove them (the
 tiny recipes use 0.3; docs/benchmarks.md, "RL on the synthetic task").
+`calculator` makes that share of the SFT demonstrations (both splits; only the correct ones) write
+each product as a calculator call, GSM8K's `<<23*47=1081>>` (megarl/rollout/tools.py: the model
+writes `<<23*47=`, the tool answers `1081>>`, an observation the SFT loss leaves out). With a large
+`max_factor` (e.g. 99) products are beyond what a tiny model computes; the calculator is not, so
+RL with the calculator in its rollouts can learn when to call it. At 0 (the default) every file is
+byte-identical to a task without the option.
 """
 import json
 import os
@@ -55,14 +61,18 @@ def check_task(task: SyntheticConfig) -> SyntheticConfig:
         raise DataError(f"synthetic task ops must be a non-empty subset of '+-*', got {task.ops!r}")
     if not 0.0 <= task.sft_mistakes < 1.0:
         raise DataError(f"synthetic task needs 0 <= sft_mistakes < 1, got {task.sft_mistakes}")
+    if not 0.0 <= task.calculator <= 1.0:
+        raise DataError(f"synthetic task needs 0 <= calculator <= 1, got {task.calculator}")
     if task.rejects not in REJECTS:
         raise DataError(f"synthetic task rejects must be one of {', '.join(REJECTS)}, got {task.rejects!r}")
     return task
 
 
 def difficulty(task: SyntheticConfig) -> dict:
-    """The knobs that shape the problems (every field but the split sizes), as meta.json holds them."""
-    return {k: v for k, v in asdict(task).items() if k not in ("n_train", "n_test")}
+    """The knobs that shape the problems (every field but the split sizes), as meta.json holds them;
+    calculator only when it is on (tasks written before it existed keep their meta.json)."""
+    return {k: v for k, v in asdict(task).items() if k not in ("n_train", "n_test")
+            and not (k == "calculator" and v == 0)}
 
 
 @dataclass(frozen=True)
@@ -76,8 +86,10 @@ class Problem:
         return format_solution(self.steps)
 
 
-def format_solution(steps) -> str:
-    return "\n".join(f"{a}{op}{b}={c}" for a, op, b, c in steps) + f"\n#### {steps[-1][3]}"
+def format_solution(steps, calculator: bool = False) -> str:
+    """One line per step, `#### answer` last; calculator=True writes products as calculator calls."""
+    return "\n".join(f"<<{a}{op}{b}={c}>>" if calculator and op == "*" else f"{a}{op}{b}={c}"
+                     for a, op, b, c in steps) + f"\n#### {steps[-1][3]}"
 
 
 def _apply(a: int, op: str, b: int) -> int:
@@ -159,6 +171,10 @@ def records(problems: list[Problem], seed: int, d: SyntheticConfig | None = None
     d = d or SyntheticConfig()
     rng, noisy = random.Random(seed), random.Random(seed + 7919)
     demos = [wrong_solution(p, noisy, d) if noisy.random() < mistakes else p.solution for p in problems]
+    if d.calculator > 0:  # a generator of its own: the other draws do not depend on it
+        tools = random.Random(seed + 104729)
+        demos = [format_solution(p.steps, calculator=True) if tools.random() < d.calculator and demo == p.solution
+                 else demo for p, demo in zip(problems, demos)]
     return {
         "sft": [{"messages": [{"role": "user", "content": p.question},
                               {"role": "assistant", "content": demo}]} for p, demo in zip(problems, demos)],

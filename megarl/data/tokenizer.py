@@ -6,6 +6,8 @@ Both expose the same small interface the trainers use:
     encode(text) -> ids, decode(ids) -> text,
     encode_chat(messages, add_generation_prompt=False) -> (ids, loss_mask),
     render_chat(messages, add_generation_prompt=False) -> text, save(dir).
+Tool observations inside assistant text (GSM8K's `<<48/2=24>>`: `24>>`; `<output>...</output>`)
+are tokenised as separate pieces and left out of the loss mask (megarl.data.chat.tool_segments).
 Hugging Face tokenizers are read with the `tokenizers` library, so `transformers` is not needed at
 run time; chat templates from tokenizer_config.json are rendered with jinja2 as transformers does.
 """
@@ -13,8 +15,8 @@ import json
 import os
 import shutil
 
-from megarl.data.chat import (CHATML_END, CHATML_START, assistant_mask_by_prefixes,
-                              compile_jinja_template, render_chatml, render_jinja)
+from megarl.data.chat import (CHATML_END, CHATML_START, assistant_mask_by_prefixes, compile_jinja_template,
+                              encode_with_observations, render_chatml, render_jinja)
 from megarl.data.errors import DataError
 
 MARKER_FILE = "megarl_tokenizer.json"  # written by ByteTokenizer.save so "auto" can recognise it
@@ -61,9 +63,10 @@ class ByteTokenizer:
         ids, mask = [self.bos_id], [0]
         for m in messages:
             head = [self.im_start_id] + self.encode(m["role"] + "\n")
-            body = self.encode(m["content"]) + [self.im_end_id]
-            ids += head + body
-            mask += [0] * len(head) + [int(m["role"] == "assistant")] * len(body)
+            content, observed = encode_with_observations(self.encode, m["content"])
+            ids += head + content + [self.im_end_id]
+            learn = int(m["role"] == "assistant")
+            mask += [0] * len(head) + [learn * (1 - o) for o in observed] + [learn]
         if add_generation_prompt:
             head = [self.im_start_id] + self.encode("assistant\n")
             ids += head
@@ -175,7 +178,12 @@ class HFTokenizer:
         if add_generation_prompt:  # a prompt for generation: nothing to train on
             ids = self.encode(self.render_chat(messages, True))
             return ids, [0] * len(ids)
-        return assistant_mask_by_prefixes(self.render_chat, self.encode, messages, set(self.stop_ids))
+        def encode(text):  # piece by piece at tool observations, as the rollout tokenises them
+            return encode_with_observations(self.encode, text)[0]
+
+        ids, mask = assistant_mask_by_prefixes(self.render_chat, encode, messages, set(self.stop_ids))
+        observed = encode_with_observations(self.encode, self.render_chat(messages, False))[1]
+        return ids, [m * (1 - o) for m, o in zip(mask, observed)]
 
     def save(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)

@@ -8,7 +8,7 @@ tests compare against.)
 """
 from megarl.rollout.engine import MegatronRolloutEngine, Rollout, RolloutEngine
 from megarl.rollout.sampling import SamplingParams
-from megarl.rollout.tools import Tool, Toolbox, ToolResult, build_tools
+from megarl.rollout.tools import Tool, Toolbox, ToolResult, build_tools, make_toolbox
 
 __all__ = ["MegatronRolloutEngine", "Rollout", "RolloutEngine", "SamplingParams", "Tool", "ToolResult", "Toolbox",
-           "build_tools"]
+           "build_tools", "make_toolbox"]

@@ -35,7 +35,7 @@ from typing import Callable
 from megarl.utils.imports import import_user_module
 
 __all__ = ["Tool", "ToolResult", "Toolbox", "Calculator", "PythonTool", "FunctionTool", "calculate",
-           "build_tools", "BUILTIN_TOOLS", "ToolError"]
+           "build_tools", "make_toolbox", "BUILTIN_TOOLS", "ToolError"]
 
 OK, ERROR, TIMEOUT = "ok", "error", "timeout"
 
@@ -440,3 +440,11 @@ class Toolbox:
             t.join()  # each call returns by its own timeout
         return results
 
+
+def make_toolbox(specs, *, max_calls: int, timeout_s: float, max_output_chars: int, python: bool = False):
+    """The rollout engine's Toolbox from the config's fields (rl.tools, rl.max_tool_calls,
+    rl.tool_timeout_s, rl.tool_max_output_chars, rl.python_tool); None when no tools are named."""
+    if not specs:
+        return None
+    tools = build_tools(specs, timeout_s=timeout_s, max_output_chars=max_output_chars, python=python)
+    return Toolbox(tools, max_calls=max_calls)
