@@ -4,7 +4,8 @@
 
 One loop step, top to bottom (`RLStage.step`); each phase takes the previous one's data and
 returns its own metrics:
-  1. generate:   this DP rank's prompts x n samples with the rollout engine on the actor, and
+  1. generate:   this DP rank's prompts x n samples with the rollout engine on the actor (tool
+                 calls run inside responses, their observations masked out of every loss), and
                  their rewards (rule and/or reward model); with rl.dynamic_sampling, further
                  prompts until `prompts_per_step` groups carry a signal (DAPO);
   2. score:      old log-probs (actor), reference log-probs, values (critic);
@@ -54,6 +55,7 @@ class Experience:
     tokens: torch.Tensor       # [N, L] long
     labels: torch.Tensor       # [N, L] long: tokens shifted left (pad at the end)
     mask: torch.Tensor         # [N, L] bool: True where labels[t] is a response token the policy sampled
+    #                            (tool observations inside a response are False: no log-prob, no loss)
     prompt_lens: torch.Tensor  # [N] long
     lengths: list              # [N] prompt + response length: the columns a row needs
     stopped: torch.Tensor      # [N] bool: ended on a stop token (False: cut at max_new_tokens)
@@ -117,9 +119,11 @@ def experience_from_rollout(rollout, pad_id: int) -> Experience:
     labels[:, :-1] = tokens[:, 1:]
     cols = torch.arange(width)
     first = rollout.prompt_lens - 1  # column predicting the first response token
-    mask = (cols >= first[:, None]) & (cols < (first + rollout.response_lens)[:, None])  # [N, L]
+    response = (cols >= first[:, None]) & (cols < (first + rollout.response_lens)[:, None])  # [N, L]
+    mask = torch.zeros_like(response)
+    mask[response] = rollout.sampled_mask[rollout.response_mask]  # observations (forced tokens) off
     rollout_logp = torch.zeros(tokens.shape, dtype=torch.float32)
-    rollout_logp[mask] = rollout.logprobs[rollout.response_mask]
+    rollout_logp[response] = rollout.logprobs[rollout.response_mask]  # 0 at observations
     lengths = (rollout.prompt_lens + rollout.response_lens).tolist()
     return Experience(tokens, labels, mask, rollout.prompt_lens.clone(), lengths, rollout.stopped.clone(),
                       rollout_logp, torch.zeros(n))
@@ -162,6 +166,7 @@ class RLStage(Stage):
 
         from megarl.data import DataIterator
         from megarl.rewards import load_reward_fn
+        from megarl.rollout.tools import make_toolbox
 
         self.cfg, r = cfg, cfg.rl
         self.name = STAGE
@@ -176,8 +181,11 @@ class RLStage(Stage):
         self.all_roles = build_roles(cfg)
         self.roles = {n: role for n, role in self.all_roles.items() if role.trained}  # checkpointed
         self.actor = self.all_roles["actor"]
+        tools = make_toolbox(r.tools, max_calls=r.max_tool_calls, timeout_s=r.tool_timeout_s,
+                             max_output_chars=r.tool_max_output_chars, python=r.python_tool)
         self.engine = MegatronRolloutEngine(self.actor, vocab_size=cfg.model.vocab_size, pad_id=self.tok.pad_id,
-                                            decode=self.tok.decode, max_batch_size=r.rollout_batch_size)
+                                            decode=self.tok.decode, encode=self.tok.encode, tools=tools,
+                                            max_batch_size=r.rollout_batch_size)
         self.reward_fn = load_reward_fn(r.reward_fn) if r.reward_fn else None
         self.eval_reward_fn = load_reward_fn(r.eval_reward_fn)
         if r.kl_target is not None:
@@ -256,6 +264,8 @@ class RLStage(Stage):
                 rollout = self.engine.generate(batch["prompt_ids"], params, seed=seed,
                                                sample_offset=self.dp_rank * rows_per_rank)
             generated_tokens += float(rollout.response_lens.sum()) * self.dp_size
+            if self.engine.tools is not None:
+                _tool_metrics(rollout, reward_pairs)
             exp = experience_from_rollout(rollout, self.tok.pad_id)
             exp.scores = self._rewards(exp, batch, rollout, clock, reward_pairs)
             parts.append(exp)
@@ -516,6 +526,19 @@ class RLStage(Stage):
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
         self.kl_over_ceiling = state["kl_over_ceiling"]
+
+
+def _tool_metrics(rollout, pairs: dict) -> None:
+    """Tool use of one round's samples, as (sum, count) pairs: calls, failed calls, timeouts and
+    observation tokens per sample, the share of samples ended by the call limit, and the share
+    of calls that succeeded."""
+    n = rollout.tokens.shape[0]
+    _add(pairs, "tools/calls_per_sample", rollout.tool_calls.sum(), n)
+    _add(pairs, "tools/errors_per_sample", rollout.tool_errors.sum(), n)
+    _add(pairs, "tools/timeouts_per_sample", rollout.tool_timeouts.sum(), n)
+    _add(pairs, "tools/observation_tokens_per_sample", rollout.observation_tokens.sum(), n)
+    _add(pairs, "tools/call_limit_fraction", rollout.hit_call_limit.sum(), n)
+    _add(pairs, "tools/success_rate", (rollout.tool_calls - rollout.tool_errors).sum(), int(rollout.tool_calls.sum()))
 
 
 def _add(pairs: dict, name: str, total, count: int) -> None:

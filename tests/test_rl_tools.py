@@ -1,0 +1,133 @@
+"""Tool calls inside RL rollouts (issue 24): observation tokens carry no log-prob and no loss at any
+aggregation, and an RL step with the calculator is the same at TP2, PP2, DP2 and TP2xPP2 as in
+one process (tool outputs included).
+
+The tiny random model knows nothing of tools: the forward hook of tests/test_rollout_tools.py
+biases its output layer towards `<<...=` so that rows call the calculator.
+"""
+import os
+
+import pytest
+import torch
+
+from dist_helpers import run_distributed
+
+from megarl.algorithms import AGG_MODES, ppo_policy_loss
+
+HERE = os.path.dirname(__file__)
+TOOLS_RL = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
+            "model.num_kv_heads=2", "tracking.backend=none", "roles.actor.init_from=random",
+            "roles.reference.init_from=random", "rl.prompts_per_step=4", "rl.samples_per_prompt=2",
+            "rl.max_new_tokens=20", "rl.micro_batch_size=4", "rl.mini_batches=2", "rl.kl_coef=0.05",
+            "rl.reward_fn=rl_rewards:digits", "rl.tools=[calculator]", "rl.max_tool_calls=2", "optim.lr=1e-3",
+            "lr_schedule.style=constant"]
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_observation_tokens_get_exactly_zero_gradient(agg):
+    """Perturbing the log-probs of observation tokens (mask False) changes neither the loss nor any
+    gradient; perturbing a sampled token's changes both. The loss counts sampled tokens only
+    (float64 reference)."""
+    g = torch.Generator().manual_seed(5)
+    B, T = 4, 10
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[:, 7:] = False
+    mask[0, 2:4] = False  # an observation inside row 0
+    mask[2, 5] = False
+    old = torch.randn(B, T, generator=g, dtype=torch.float64) * 0.1 - 2
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    base = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.05
+
+    def run(delta):
+        logp = (base + delta).requires_grad_()
+        loss, count, _ = ppo_policy_loss(logp, old, adv, mask, agg=agg, max_len=T)
+        (loss / count).backward()
+        return loss.detach(), logp.grad
+
+    loss0, grad0 = run(torch.zeros(B, T, dtype=torch.float64))
+    loss1, grad1 = run(torch.where(mask, 0.0, 5.0 * torch.randn(B, T, generator=g, dtype=torch.float64)))
+    assert torch.equal(loss0, loss1) and torch.equal(grad0, grad1)
+    assert (grad0[~mask] == 0).all()
+    poke = torch.zeros(B, T, dtype=torch.float64)
+    poke[1, 1] = 0.05
+    assert not torch.equal(run(poke)[0], loss0)
+    # float64 reference over sampled tokens only
+    ratio = torch.exp(base - old)
+    per = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    rows = [[per[b, t].item() for t in range(T) if mask[b, t]] for b in range(B)]
+    want = {"token-mean": sum(sum(r) for r in rows),
+            "seq-mean-token-sum": sum(sum(r) for r in rows),
+            "seq-mean-token-mean": sum(sum(r) / len(r) for r in rows),
+            "seq-mean-token-sum-norm": sum(sum(r) / T for r in rows)}[agg]
+    count = sum(len(r) for r in rows) if agg == "token-mean" else B
+    _, got_count, _ = ppo_policy_loss(base, old, adv, mask, agg=agg, max_len=T)
+    assert loss0.item() == pytest.approx(want, rel=1e-12) and int(got_count) == count
+
+
+def _bias_hook(role):
+    """test_rollout_tools' logit offsets (towards `<<...=`) on this rank's output layer, on full
+    (gathered: generation) or vocab-parallel (scoring, training) logits alike."""
+    from megatron.core import parallel_state as ps
+    from test_rollout_tools import BIAS, OTHERS, VOCAB
+
+    from megarl.models.layout import unwrap
+
+    gpt = unwrap(role.model)
+    if not hasattr(gpt, "output_layer"):  # an earlier pipeline stage
+        return
+    padded = gpt.output_layer.weight.shape[0] * ps.get_tensor_model_parallel_world_size()
+    offset = torch.zeros(padded)
+    offset[:VOCAB] = OTHERS
+    for ch, v in BIAS.items():
+        offset[ord(ch)] = v
+    offset[260] = -1.0  # <|im_end|>: some rows stop
+
+    def hook(module, args, output):
+        logits, b = output
+        if logits.shape[-1] == padded:
+            part = offset
+        else:
+            width = logits.shape[-1]
+            start = ps.get_tensor_model_parallel_rank() * width
+            part = offset[start:start + width]
+        return logits + part.to(logits.dtype), b
+
+    gpt.output_layer.register_forward_hook(hook)
+
+
+def _rl_step_body(rank, world_size, overrides, run_dir):
+    import sys
+
+    sys.path.insert(0, HERE)
+
+    from megarl.config import load_config
+    from megarl.runtime.distributed import init_distributed, teardown
+    from megarl.trainers.rl import RLStage
+
+    cfg = load_config("configs/tiny_grpo.yaml", [f"train.run_dir={run_dir}", *TOOLS_RL, *overrides])
+    init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed)
+    stage = RLStage(cfg, str(run_dir / "rl"))
+    for role in stage.all_roles.values():
+        _bias_hook(role)  # actor and reference: the same biased model, so KL starts at 0
+    out = [{k: v for k, v in stage.step(i).items() if not k.startswith(("perf/", "memory/"))} for i in range(2)]
+    teardown()
+    return out
+
+
+@pytest.mark.slow
+def test_an_rl_step_with_tools_is_the_same_at_every_layout(tmp_path, monkeypatch):
+    monkeypatch.chdir(os.path.dirname(HERE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    ref = run_distributed(_rl_step_body, 1, [], tmp_path / "one")[0]
+    assert ref[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6)
+    assert ref[0]["tools/calls_per_sample"] > 0 and ref[0]["tools/observation_tokens_per_sample"] > 0, ref[0]
+    for name, extra, world in (("tp2", ["parallel.tp=2"], 2), ("pp2", ["parallel.pp=2"], 2), ("dp2", [], 2),
+                               ("tp2pp2", ["parallel.tp=2", "parallel.pp=2"], 4)):
+        got = run_distributed(_rl_step_body, world, extra, tmp_path / name)[0]
+        for a, b in zip(got, ref):
+            assert a.keys() == b.keys(), name
+            for k in b:
+                if k == "train/padding_waste":  # a property of each rank's micro-batches
+                    continue
+                tol = dict(abs=2 / 40) if "clip_fraction" in k else dict(rel=1e-5, abs=1e-6)
+                assert a[k] == pytest.approx(b[k], **tol), (name, k, a[k], b[k])
