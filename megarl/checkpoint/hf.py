@@ -19,6 +19,9 @@ decoder.final_layernorm.weight and lm_head.weight -> output_layer.weight (absent
 
 Import validates everything (config, files, names, shapes) before reading any tensor data and
 reports all problems in one line; export writes into a temporary directory and renames it.
+An export is usable as it is: config.json and generation_config.json carry the tokenizer's
+special ids (generation stops at the chat's end-of-turn token), and the tokenizer is written
+beside the weights (an HF tokenizer's files, or `byte_tokenizer_files` for megarl's bytes).
 """
 from __future__ import annotations
 
@@ -430,6 +433,24 @@ def _header(path: str) -> dict[str, tuple]:
         raise ValueError(f"{path}: unreadable safetensors file ({e})") from None
 
 
+def check_hf_shape(hf_dir: str, model_cfg: ModelConfig) -> None:
+    """CheckpointError in one line naming every shape field where the HF model in `hf_dir`
+    (its config.json) differs from `model_cfg`: the message a megarl checkpoint of another
+    shape gives, before any tensor is read (instead of the layout loader's shape list)."""
+    from megarl.checkpoint.distributed import SHAPE_KEYS, CheckpointError, model_shape
+
+    config_path = os.path.join(hf_dir, "config.json")
+    try:
+        have = model_shape(hf_config_to_model_config(_read_json(config_path), source=config_path))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    want = model_shape(model_cfg)
+    diff = [f"{k}={have[k]} (config: {want[k]})" for k in SHAPE_KEYS if have[k] != want[k]]
+    if diff:
+        raise CheckpointError(f"{hf_dir}: the saved model does not match the configured one: model."
+                              + ", model.".join(diff) + "; use the model section it was saved with")
+
+
 def load_hf_checkpoint(hf_dir: str, *, lazy: bool = False) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
     """Read a Llama/Qwen2/Qwen3/Mistral safetensors checkpoint as (ModelConfig, canonical tensors).
 
@@ -528,8 +549,43 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list
     return shards
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet of the `tokenizers` ByteLevel steps."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def byte_tokenizer_files(specials: list[str], *, bos: str | None, eos: str, pad: str | None, chat_template: str,
+                         model_max_length: int) -> dict[str, str]:
+    """tokenizer.json + tokenizer_config.json with which transformers' AutoTokenizer equals a
+    byte-level tokenizer: byte b <-> id b (a BPE without merges over the ByteLevel alphabet),
+    then `specials` as special tokens with ids 256, 257, ... Unlike megarl's own tokenizer, HF
+    tokenizers parse special-token text (as every HF chat template needs)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: b for b, char in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    assert [tok.token_to_id(s) for s in specials] == list(range(256, 256 + len(specials)))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "pad_token": pad,
+              "chat_template": chat_template, "model_max_length": model_max_length,
+              "clean_up_tokenization_spaces": False}
+    return {"tokenizer.json": tok.to_str(pretty=True) + "\n",
+            "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+
+
 def save_hf_checkpoint(out_dir: str, model_cfg: ModelConfig, canonical: dict[str, torch.Tensor], arch: str, *,
-                       tokenizer_dir: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                       tokenizer_dir: str | None = None, tokenizer_files: dict[str, str] | None = None,
+                       generation_config: dict | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                        dtype: torch.dtype | None = None, extra_config: dict | None = None,
                        overwrite: bool = False) -> None:
     """Write canonical tensors as a Hugging Face checkpoint of `arch` that from_pretrained loads.
@@ -538,12 +594,13 @@ def save_hf_checkpoint(out_dir: str, model_cfg: ModelConfig, canonical: dict[str
     model.safetensors.index.json, or one model.safetensors when everything fits, as
     save_pretrained does. dtype: cast every tensor (None keeps each tensor's dtype).
     extra_config: additional config.json keys (e.g. bos/eos_token_id); may not override derived
-    ones. Tokenizer files are copied from tokenizer_dir. Atomic: everything is written to a
-    temporary sibling directory, which then replaces out_dir (overwrite=True) or becomes it.
+    ones. Tokenizer files are copied from tokenizer_dir, or written from tokenizer_files ({name:
+    text}); generation_config becomes generation_config.json. Atomic: everything is written to
+    a temporary sibling directory, which then replaces out_dir (overwrite=True) or becomes it.
     """
     from safetensors.torch import save_file
 
-    from megarl.utils.atomic import atomic_directory
+    from megarl.utils.atomic import as_created, atomic_directory
 
     out_dir = os.path.abspath(os.fspath(out_dir))
     config = model_config_to_hf_config(model_cfg, arch)
@@ -556,10 +613,12 @@ def save_hf_checkpoint(out_dir: str, model_cfg: ModelConfig, canonical: dict[str
         raise ValueError(f"extra_config may not override derived config.json keys: {_names(clash)}")
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
-    tokenizer_files = []
+    copied = []
     if tokenizer_dir is not None:
-        tokenizer_files = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(tokenizer_dir, f))]
-        if not tokenizer_files:
+        if tokenizer_files:
+            raise ValueError("give tokenizer_dir or tokenizer_files, not both")
+        copied = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(tokenizer_dir, f))]
+        if not copied:
             raise ValueError(f"{tokenizer_dir}: no tokenizer files ({_names(TOKENIZER_FILES)})")
     if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir}: exists and is not empty (refusing to replace it; overwrite=True, or --overwrite on the command line, does)")
@@ -577,17 +636,24 @@ def save_hf_checkpoint(out_dir: str, model_cfg: ModelConfig, canonical: dict[str
     with atomic_directory(out_dir, replace=True) as tmp:
         if len(shards) == 1:
             save_file(hf, os.path.join(tmp, SINGLE_FILE), metadata={"format": "pt"})
+            as_created(os.path.join(tmp, SINGLE_FILE))  # safetensors makes it 0600
         else:
             weight_map = {}
             for k, names in enumerate(shards, 1):
                 fname = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
                 save_file({n: hf[n] for n in names}, os.path.join(tmp, fname), metadata={"format": "pt"})
+                as_created(os.path.join(tmp, fname))
                 weight_map.update({n: fname for n in names})
             total = sum(t.numel() * t.element_size() for t in hf.values())
             _write_json(os.path.join(tmp, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
         _write_json(os.path.join(tmp, "config.json"), config)
-        for f in tokenizer_files:
+        if generation_config is not None:
+            _write_json(os.path.join(tmp, "generation_config.json"), generation_config)
+        for f in copied:
             shutil.copyfile(os.path.join(tokenizer_dir, f), os.path.join(tmp, f))
+        for name, text in (tokenizer_files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
 
 
 def _write_json(path: str, obj) -> None:
@@ -597,6 +663,6 @@ def _write_json(path: str, obj) -> None:
 
 
 __all__ = [
-    "ARCHITECTURES", "LazyCanonical", "canonical_shapes", "canonical_to_hf", "hf_config_to_model_config",
+    "ARCHITECTURES", "LazyCanonical", "byte_tokenizer_files", "canonical_shapes", "canonical_to_hf", "hf_config_to_model_config",
     "hf_shapes", "hf_to_canonical", "load_hf_checkpoint", "model_config_to_hf_config", "save_hf_checkpoint",
 ]

@@ -4,7 +4,10 @@ hf-to-megarl writes a one-role checkpoint (weights only) that any stage can star
 `model.init_from: <out>`, plus `<out>/config.yaml`, the `model:` section matching the weights
 (the file megarl-to-hf reads next to a checkpoint, as it reads a stage's config.yaml).
 Both refuse a non-empty destination unless given --overwrite.
-megarl-to-hf gathers a checkpoint's weights (whatever layout saved them) into an HF directory.
+megarl-to-hf gathers a checkpoint's weights (whatever layout saved them) into an HF directory
+that transformers uses as it is: the tokenizer's special ids in config.json, a
+generation_config.json that stops at the chat's end-of-turn token(s), and the tokenizer (the
+HF tokenizer's files, or for the byte tokenizer an equivalent tokenizer.json).
 Both run as a single process: resharding is dist_checkpointing's job, not the converter's.
 """
 from __future__ import annotations
@@ -95,14 +98,44 @@ def megarl_to_hf(checkpoint: str, out: str, arch: str, config: str | None, overr
     verify_checkpoint(path)  # before any config is looked for: a broken checkpoint is named as such
     cfg = load_config(_config_for(checkpoint, config, overrides), overrides)
     tok_dir = tokenizer or (cfg.tokenizer.path if cfg.tokenizer.kind == "hf" else None)
+    special_ids, generation, files = _tokenizer_export(cfg, tok_dir)
     _single_process()
     try:
         role = Role("export", cfg.model, ParallelConfig())
         load_weights(path, role)
         canonical = gather_full_state_dict(role.model, cfg.model.vocab_size)
-        save_hf_checkpoint(out, cfg.model, canonical, arch, tokenizer_dir=tok_dir, overwrite=overwrite)
+        save_hf_checkpoint(out, cfg.model, canonical, arch, tokenizer_dir=tok_dir, tokenizer_files=files,
+                           generation_config=generation, extra_config=special_ids, overwrite=overwrite)
     finally:
         teardown()
+
+
+# megarl's byte chat format (data/tokenizer.py ByteTokenizer.encode_chat) as an HF chat template.
+BYTE_CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                      "{{ message['content'] }}<|im_end|>{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tokenizer_export(cfg, tok_dir: str | None) -> tuple[dict, dict, dict | None]:
+    """(config.json's special ids, generation_config.json, tokenizer files to write or None when
+    tok_dir's are copied) for the tokenizer the model was trained with."""
+    from megarl.checkpoint.hf import byte_tokenizer_files
+    from megarl.data import load_tokenizer
+
+    tok = load_tokenizer("hf", tok_dir) if tok_dir else load_tokenizer(cfg.tokenizer.kind, cfg.tokenizer.path)
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    too_big = {k: v for k, v in ids.items() if v is not None and v >= cfg.model.vocab_size}
+    if too_big:
+        raise ConfigError(f"tokenizer ({tok_dir or cfg.tokenizer.kind}): special ids {too_big} do not fit "
+                          f"model.vocab_size {cfg.model.vocab_size}")
+    generation = {"bos_token_id": tok.bos_id, "eos_token_id": list(tok.stop_ids), "pad_token_id": tok.pad_id}
+    files = None
+    if tok.kind == "byte":
+        specials = list(tok.SPECIALS)
+        files = byte_tokenizer_files(specials, bos=specials[tok.bos_id - 256], eos=specials[tok.eos_id - 256],
+                                     pad=specials[tok.pad_id - 256], chat_template=BYTE_CHAT_TEMPLATE,
+                                     model_max_length=cfg.model.max_position_embeddings)
+    return ids, generation, files
 
 
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",

@@ -12,6 +12,23 @@ import tempfile
 from contextlib import contextmanager
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask sets it, racing other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def as_created(path: str, directory: bool = False) -> None:
+    """The mode open()/mkdir() would have given `path` (mkstemp/mkdtemp make it private: 0600/0700),
+    so an atomically written output is as readable as any other."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~_umask())
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -29,6 +46,7 @@ def write_atomic(path: str | os.PathLike, text: str, *, durable: bool = True) ->
     os.makedirs(parent, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
     try:
+        as_created(tmp, directory=False)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             if durable:
@@ -57,6 +75,7 @@ def atomic_directory(out_dir: str, replace: bool = False, last: tuple[str, ...] 
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
+        as_created(tmp, directory=True)
         yield tmp
         if not os.path.exists(out_dir):
             os.rename(tmp, out_dir)
