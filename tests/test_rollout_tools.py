@@ -337,8 +337,7 @@ def test_layouts_draw_the_same_samples_with_tools(layout_reference, tp, pp, worl
     dp = world // (tp * pp)
     rows = ref.tokens.shape[0] // dp
     for rank, r in enumerate(results):
-        d = rank // (tp * pp) if pp == 1 else rank % dp  # data-parallel rank of this process
-        d = rank if dp == world else 0
+        d = rank if dp == world else 0  # this process's data-parallel rank (TP2 / PP2 here: one DP rank)
         sl = slice(d * rows, (d + 1) * rows)
         L = int((r.prompt_lens + r.response_lens).max())
         assert torch.equal(r.tokens, ref.tokens[sl, :L]), f"rank {rank} at tp={tp} pp={pp} dp={dp} drew other samples"
