@@ -250,6 +250,10 @@ class RLConfig:
     # the first mini-batch), or the rollout's own (saves that forward; needs top_k 0 and top_p 1,
     # since they are log-probs of the filtered distribution)
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    # log-probs in scoring and training straight from the hidden states and the output weight,
+    # chunked over tokens (megarl.ops.head_logprobs): the [tokens, V] logits never exist; false:
+    # through the logits (same results within fp32 rounding)
+    fused_head: bool = True
     # updates
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch and trained role

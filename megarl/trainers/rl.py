@@ -67,17 +67,19 @@ class Experience:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
 
-    def microbatch(self, rows: list[int]) -> dict:
+    def microbatch(self, rows: list[int], hidden: bool = False) -> dict:
         """Rows `rows`, cut to their longest sequence, as a Role micro-batch.
 
         The model's head runs only from the first column that predicts a response token
         (`output_from`: no logits for the prompt prefix the rows share), so every per-token
-        field is given from that column on: [b, width - output_from]."""
+        field is given from that column on: [b, width - output_from]. hidden: an LM role returns
+        its final hidden states and output weight instead of logits (`return_hidden`), for the
+        fused head op."""
         width = max(self.lengths[i] for i in rows)
         idx = torch.tensor(rows)
         first = int(self.prompt_lens[idx].min()) - 1  # earliest column predicting a response token
         mb = {"tokens": self.tokens[idx, :width], "position_ids": torch.arange(width).expand(len(rows), width),
-              "attention_mask": None, "output_from": first,
+              "attention_mask": None, "output_from": first, "return_hidden": hidden,
               "labels": self.labels[idx, first:width], "mask": self.mask[idx, first:width]}
         for name in ("old_logp", "ref_logp", "values", "advantages", "returns"):
             value = getattr(self, name)
@@ -134,21 +136,26 @@ def experience_from_rollout(rollout, pad_id: int) -> Experience:
 
 
 def _token_logprobs(vocab_size: int, temperature: float, with_entropy: bool = False):
+    """(log p(labels), entropy or None) [b, s] from an LM role's output: the fused head op on its
+    hidden states (rl.fused_head: no [tokens, V] logits, forward or backward), or its logits."""
     from megatron.core import parallel_state as ps
 
-    from megarl.ops import logprobs_and_entropy
+    from megarl.models.gpt import HeadStates
+    from megarl.ops import head_logprobs, logprobs_and_entropy
 
-    def fn(batch, logits):  # logits [b, s, V_pad/tp]
-        logits = mask_padded_vocab(logits, vocab_size)
+    def fn(batch, output):
+        if isinstance(output, HeadStates):  # hidden [b, s, h] + the output weight
+            return head_logprobs(output, batch["labels"], temperature=temperature, with_entropy=with_entropy)
+        logits = mask_padded_vocab(output, vocab_size)  # [b, s, V_pad/tp]
         return logprobs_and_entropy(logits, batch["labels"], tp_group=ps.get_tensor_model_parallel_group(),
                                     temperature=temperature, with_entropy=with_entropy)
 
     return fn
 
 
-def collect_per_token(role: Role, exp: Experience, groups: list[list[int]], fn) -> torch.Tensor:
+def collect_per_token(role: Role, exp: Experience, groups: list[list[int]], fn, hidden: bool = False) -> torch.Tensor:
     """A [N, L] fp32 tensor from `fn(batch, output) -> [b, s]` over every micro-batch (forward only)."""
-    mbs = [exp.microbatch(g) for g in groups]
+    mbs = [exp.microbatch(g, hidden) for g in groups]
     out = torch.zeros(exp.tokens.shape, dtype=torch.float32)
     for g, mb, part in zip(groups, mbs, role.forward_collect(mbs, lambda b, o: fn(b, o).float().cpu())):
         c = mb["output_from"]
@@ -362,15 +369,16 @@ class RLStage(Stage):
         r = self.cfg.rl
         groups = plan_microbatches(exp.lengths, max_rows=r.micro_batch_size, max_tokens=r.max_tokens_per_micro_batch)
         logprobs = _token_logprobs(self.cfg.model.vocab_size, r.temperature)
+        fused = r.fused_head
         if r.old_logprobs == "rollout":  # the sampled distribution's own log-probs
             exp.old_logp = exp.rollout_logp
         else:
             with clock.phase("score_actor"):
-                exp.old_logp = collect_per_token(self.actor, exp, groups, lambda b, o: logprobs(b, o)[0])
+                exp.old_logp = collect_per_token(self.actor, exp, groups, lambda b, o: logprobs(b, o)[0], fused)
         if "reference" in self.all_roles:
             with clock.phase("score_reference"):
                 exp.ref_logp = collect_per_token(self.all_roles["reference"], exp, groups,
-                                                 lambda b, o: logprobs(b, o)[0])
+                                                 lambda b, o: logprobs(b, o)[0], fused)
         if "critic" in self.all_roles:
             with clock.phase("score_critic"):
                 exp.values = collect_per_token(self.all_roles["critic"], exp, groups, lambda b, o: o.squeeze(-1))
@@ -417,7 +425,8 @@ class RLStage(Stage):
             with clock.phase("train_critic"):
                 metrics.update(self._train(self.all_roles["critic"], exp, self._value_loss(), step, "critic"))
         with clock.phase("train_actor"):
-            metrics.update(self._train(self.actor, exp, self._policy_loss(), step, "actor"))
+            metrics.update(self._train(self.actor, exp, self._policy_loss(), step, "actor",
+                                       hidden=self.cfg.rl.fused_head))
         return metrics
 
     def _sampling(self, temperature: float, n: int) -> SamplingParams:
@@ -446,7 +455,7 @@ class RLStage(Stage):
         return lambda batch, values: A.value_loss(values.squeeze(-1), batch["values"], batch["returns"],
                                                   batch["mask"], clip=r.value_clip)
 
-    def _train(self, role: Role, exp: Experience, loss_fn, step: int, prefix: str) -> dict:
+    def _train(self, role: Role, exp: Experience, loss_fn, step: int, prefix: str, hidden: bool = False) -> dict:
         """ppo_epochs x mini_batches optimizer steps over this step's rows (see minibatch_rows).
         Metrics are means over the optimizer steps; skipped_minibatches counts the steps dropped
         for a non-finite loss."""
@@ -459,7 +468,7 @@ class RLStage(Stage):
             for k, rows in enumerate(assignment):
                 plan = plan_microbatches([exp.lengths[i] for i in rows], max_rows=r.micro_batch_size,
                                          max_tokens=r.max_tokens_per_micro_batch)
-                mbs = [exp.microbatch([rows[i] for i in grp]) for grp in plan]
+                mbs = [exp.microbatch([rows[i] for i in grp], hidden) for grp in plan]
                 result = role.train_step(mbs, loss_fn, skip_nonfinite=True)
                 skipped += int(result.skipped)
                 for key, v in {**result.metrics, "grad_norm": result.grad_norm, "lr": result.lr}.items():
