@@ -232,7 +232,7 @@ def _unshare_works() -> bool:
 
 class PythonTool(Tool):
     """Runs the argument as a Python program in a fresh interpreter (`python -I -S`, stdlib only,
-    empty environment) in a temporary directory, with: RLIMIT_CPU (the timeout), RLIMIT_AS
+    empty environment) in a temporary directory, with: RLIMIT_CPU (the timeout + 1 s), RLIMIT_AS
     (`memory_mb`), RLIMIT_FSIZE (stdout/stderr go to files, capped), a wall-clock kill of the process
     group, no new processes and no network. The network is cut by `unshare -n` where that works
     (root), else by the audit hook that refuses sockets. The observation is stdout, then
@@ -265,7 +265,7 @@ class PythonTool(Tool):
         with tempfile.TemporaryDirectory(prefix="megarl-python-tool-") as work:
             with open(os.path.join(work, "main.py"), "w") as f:
                 f.write(argument)
-            cmd = [sys.executable, "-I", "-S", "-c", _BOOTSTRAP, str(math.ceil(self.timeout_s)),
+            cmd = [sys.executable, "-I", "-S", "-c", _BOOTSTRAP, str(math.ceil(self.timeout_s) + 1),
                    str(self.memory_mb << 20), str(file_bytes)]
             if self.network_isolation == "unshare -n":
                 cmd = ["unshare", "-n", "--"] + cmd
