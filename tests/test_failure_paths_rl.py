@@ -10,6 +10,7 @@ import time
 import pytest
 
 from megarl_run import TINY, command, env, megarl
+from test_failure_paths import hf_llama  # noqa: F401 - the fixture: a Hugging Face Llama, hidden size 64
 
 HERE = os.path.dirname(__file__)
 TINY_RL = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
@@ -39,3 +40,22 @@ def test_sigterm_during_setup_or_the_step0_evaluation_exits_75(tmp_path):
         if (run / "rl" / "metrics.jsonl").exists() else []
     assert set(steps) <= {0}  # at most the step-0 evaluation; no training step
     assert not (run / "rl" / "megarl.lock").exists()
+
+
+@pytest.mark.parametrize("stage", ["sft", "rl"])
+def test_hf_weights_of_another_size_give_the_mismatch_line(tmp_path, hf_llama, stage):
+    """model.init_from / roles.actor.init_from at an HF model of another size (hidden 64 against
+    32): the one line a checkpoint of another shape gives (before: the layout loader's traceback)."""
+    run = tmp_path / "run"
+    if stage == "sft":
+        args = ["sft", "--config", "tiny_sft.yaml", *TINY, f"train.run_dir={run}", f"model.init_from={hf_llama}",
+                "model.hidden_size=32"]
+    else:
+        args = ["rl", "--config", "tiny_grpo.yaml", f"train.run_dir={run}", *TINY_RL, f"roles.actor.init_from={hf_llama}",
+                "model.hidden_size=32"]
+    out = megarl(args, check=False)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines == [f"megarl: error: {hf_llama}: the saved model does not match the configured one: "
+                     "model.hidden_size=64 (config: 32), model.head_dim=16 (config: 8); "
+                     "use the model section it was saved with"], lines

@@ -92,6 +92,7 @@ def test_default_store_is_inside_run_dir(tmp_path, monkeypatch):
     t.log_table([{"prompt": "1+1=", "output": "2"}, {"prompt": "hi", "output": "hello", "reward": 0.5}],
                 "eval_samples", step=4)
     t.log_checkpoint(run_dir / "checkpoints" / "step_4", 4)
+    assert t.flush(60)  # the store exists (a plain client opened while the Tracker creates it would race it)
     client = MlflowClient(t.uri)
     deadline = time.monotonic() + 30  # the system sampler (every 0.2 s) must have reported
     while time.monotonic() < deadline:

@@ -8,7 +8,7 @@
 See tracker.py for the delivery guarantees and docs/launching.md for reading results.
 """
 from .params import flatten_params
-from .tracker import NullTracker, Tracker, create_tracker, default_tracking_uri, replay_spill
+from .tracker import NullTracker, Tracker, create_tracker, default_tracking_uri, replay_spill, replay_stage_spills
 
 
 def write_report(run_dir, out_dir=None, **kwargs):
@@ -19,4 +19,4 @@ def write_report(run_dir, out_dir=None, **kwargs):
 
 
 __all__ = ["Tracker", "NullTracker", "create_tracker", "default_tracking_uri", "flatten_params",
-           "replay_spill", "write_report"]
+           "replay_spill", "replay_stage_spills", "write_report"]

@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 
 from .params import MAX_TAG_VALUE_LEN, truncate
 from .state import RunState
+from .store import prepare_store
 
 log = logging.getLogger("megarl.tracking")
 
@@ -93,6 +94,7 @@ class MlflowSink:
         if self._client is None:
             from mlflow.tracking import MlflowClient  # heavy import, done off the training thread
 
+            prepare_store(self.uri)  # an embedded store: created whole, or a half-created one replaced
             self._client = MlflowClient(tracking_uri=self.uri)
         return self._client
 
@@ -101,6 +103,7 @@ class MlflowSink:
         """Resume the run recorded in the run dir, or create it (under its parent, if any)."""
         if self.run_id:
             return self.run_id
+        _ = self.client  # open (an embedded store: prepare) the store before waiting on a parent run
         saved = self.state.load()
         if saved.get("run_id"):
             run = self._get_run_or_none(saved["run_id"])

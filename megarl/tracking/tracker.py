@@ -30,6 +30,7 @@ from .delivery import MlflowSink, NotReady, is_permanent
 from .outbox import Outbox, read_spill
 from .params import MAX_TAG_VALUE_LEN, flatten_params, metric_value, sanitize_key, truncate
 from .state import RunState
+from .store import BrokenStore
 from .system import SystemSampler
 
 log = logging.getLogger("megarl.tracking")
@@ -97,13 +98,18 @@ class Tracker:
             parent_id = None
         run_tags = {"megarl.run_dir": str(self.run_dir.resolve())}
         run_tags.update({sanitize_key(k): truncate(str(v), MAX_TAG_VALUE_LEN) for k, v in (tags or {}).items()})
-        self._sink = MlflowSink(uri, RunState(self.run_dir), experiment, run_name, run_tags, parent_id,
-                                mark_running=mark_running)
+        state = RunState(self.run_dir)
+        if mark_running:  # what a replay needs to create this run if the store never saw it
+            state.save(store_uri=uri, experiment=experiment, run_name=run_name, tags=run_tags,
+                       parent_run_dir=str(parent.run_dir.resolve()) if isinstance(parent, Tracker) else None,
+                       parent_run_id=parent if isinstance(parent, str) and parent else None)
+        self._sink = MlflowSink(uri, state, experiment, run_name, run_tags, parent_id, mark_running=mark_running)
 
         self._last_step = 0
         self._closing = threading.Event()
         self._abort = threading.Event()
         self._closed = False
+        self._broken = False  # the store is unusable (BrokenStore): everything goes to the spill file
         self._failing_since: float | None = None
         self._dropped_warned: set[str] = set()
         self._worker = threading.Thread(target=self._deliver_loop, name="megarl-tracking", daemon=True)
@@ -206,7 +212,7 @@ class Tracker:
         with cond:
             while not (self._outbox.delivered_upto(target) and not self._outbox.has_spill()):
                 left = deadline - time.monotonic()
-                if left <= 0 or not self._worker.is_alive():
+                if left <= 0 or not self._worker.is_alive() or self._broken:
                     return False
                 cond.notify_all()  # wake the worker if it idles
                 cond.wait(min(left, 0.1))
@@ -230,14 +236,15 @@ class Tracker:
         with self._outbox.cond:
             self._outbox.cond.notify_all()
         self._worker.join(self.flush_timeout if timeout is None else timeout)
-        if not self._worker.is_alive():
+        if not self._worker.is_alive() and not self._broken:
             return True
         self._abort.set()
         spilled = self._outbox.spill_all()
         log.warning(
-            "megarl.tracking: %s not reachable before close timeout; %d ops saved to %s and "
-            "replayed when this run dir is resumed (or: python -m megarl.tracking replay %s)",
-            self.uri, spilled, self._outbox.spill_path, self.run_dir,
+            "megarl.tracking: %s %s; %d ops saved to %s and replayed when this run dir is resumed "
+            "(or: python -m megarl.tracking replay %s)", self.uri,
+            "is unusable (see above)" if self._broken else "not reachable before close timeout",
+            spilled, self._outbox.spill_path, self.run_dir,
         )
         return False
 
@@ -293,6 +300,11 @@ class Tracker:
                 backoff = self._backoff_min
             except NotReady:  # the parent's run is being created (its thread reports failures)
                 (self._abort if self._closing.is_set() else self._closing).wait(0.2)
+            except BrokenStore as exc:  # retrying cannot help: say so once, keep everything on disk
+                log.warning("megarl.tracking: %s", exc)
+                self._broken = True
+                self._closing.wait()
+                return
             except Exception as exc:  # noqa: BLE001 - the store may fail in any way; keep data
                 if self._failing_since is None:
                     self._failing_since = time.monotonic()
@@ -363,11 +375,45 @@ def create_tracker(run_dir, params: Any = None, *, backend: str = "mlflow", rank
     return Tracker.start(run_dir, params, **kwargs)
 
 
-def replay_spill(run_dir, uri: str | None = None, timeout: float = 60.0) -> bool:
-    """Deliver a run dir's spill files (left by a run whose store was down at its end) into its
-    MLflow run, applying recorded final statuses. Returns True when nothing is left over."""
+def _replay_tracker(run_dir, uri: str | None, timeout: float, parent: "Tracker | str | None" = None) -> Tracker:
+    """A Tracker that delivers run_dir's spill files into its run, creating the run (with the name,
+    tags and parent recorded at its start) if the store never saw it, and applies recorded statuses."""
     saved = RunState(run_dir).load()
-    tracker = Tracker(run_dir, uri=uri or saved.get("tracking_uri") or resolve_tracking_uri(run_dir),
-                      system_metrics_interval=None, replay_status=True, mark_running=False,
-                      flush_timeout=timeout)
-    return tracker.close(status=None, timeout=timeout)
+    if parent is None:
+        parent = RunState(saved["parent_run_dir"]).load().get("run_id") if saved.get("parent_run_dir") \
+            else saved.get("parent_run_id")
+    uri = uri or saved.get("tracking_uri") or saved.get("store_uri") or resolve_tracking_uri(run_dir, None, parent)
+    return Tracker(run_dir, uri=uri, experiment=saved.get("experiment") or "megarl", run_name=saved.get("run_name"),
+                   parent=parent, tags=saved.get("tags"), system_metrics_interval=None, replay_status=True,
+                   mark_running=False, flush_timeout=timeout)
+
+
+def _spilled(run_dir) -> bool:
+    return any(Path(run_dir).glob("tracking_spill*.jsonl"))
+
+
+def replay_spill(run_dir, uri: str | None = None, timeout: float = 60.0) -> bool:
+    """Deliver the spill files of a run dir and of its stage dirs (left by runs whose store was
+    down or unusable at their end, or that ended before it existed) into their MLflow runs,
+    applying recorded final statuses; the run dir's own run first, since the stages' runs nest
+    under it. Returns True when nothing is left over."""
+    run_dir = Path(run_dir)
+    dirs = [run_dir] + sorted(d for d in run_dir.iterdir() if d.is_dir()) if run_dir.is_dir() else []
+    ok = True
+    for d in dirs:
+        if _spilled(d):
+            ok = _replay_tracker(d, uri, timeout).close(status=None, timeout=timeout) and ok
+    return ok
+
+
+def replay_stage_spills(run_dir, parent: "Tracker", exclude=()) -> list[Tracker]:
+    """Start delivering, in the background, the spill files of run_dir's stage dirs other than
+    `exclude` (e.g. a stage that finished while the store was unusable, which a rerun skips).
+    The caller closes the returned trackers (status=None) when it closes its own."""
+    skip = {Path(p).resolve() for p in exclude}
+    out = []
+    for d in sorted(p for p in Path(run_dir).iterdir() if p.is_dir() and p.resolve() not in skip):
+        if _spilled(d) and (d / "tracking.json").exists():
+            nested = RunState(d).load().get("parent_run_dir") == str(Path(run_dir).resolve())
+            out.append(_replay_tracker(d, None, parent.flush_timeout, parent=parent if nested else None))
+    return out

@@ -65,9 +65,10 @@ def init_weights(cfg: Config, role, model_cfg=None, skip_head: bool = False) -> 
     if not os.path.exists(src):
         raise ConfigError(f"model.init_from: {src} does not exist")
     if os.path.isfile(os.path.join(src, "config.json")):
-        from megarl.checkpoint.hf import load_hf_checkpoint
+        from megarl.checkpoint.hf import check_hf_shape, load_hf_checkpoint
         from megarl.models.layout import load_full_state_dict
 
+        check_hf_shape(src, model_cfg or cfg.model)  # one line naming the fields, not the loader's traceback
         try:
             _, weights = load_hf_checkpoint(src, lazy=True)  # each rank reads only its stage's tensors
         except ValueError as e:
