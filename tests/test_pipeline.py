@@ -49,7 +49,8 @@ def test_pipeline_runs_three_stages_skips_finished_ones_and_resumes_rl_bit_exact
     steps = [m for m in rl_metrics if "actor/loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3] and "critic/loss" in steps[0]
     # evaluated before the first step (the SFT model RL starts from) and after the last
-    assert [m["step"] for m in rl_metrics if "eval/pass@1" in m] == [0, 3]
+    assert [m["step"] for m in rl_metrics if "eval/pass_at_1" in m] == [0, 3]
+    assert not any("eval/mean_at_2" in m for m in rl_metrics)  # final_answer is 0/1: mean@k is pass@1
 
     # Kill the RL stage after its step-2 checkpoint; the rerun skips SFT and RM and resumes RL.
     run = tmp_path / "run"

@@ -29,7 +29,7 @@ def test_sft_learns_and_leaves_a_complete_run_dir(tmp_path):
     assert sum(losses[-5:]) / 5 < 0.5 * losses[0], losses
     evals = [m for m in metrics(run / "sft") if "eval/loss" in m]
     assert [m["step"] for m in evals] == [20, 40] and evals[1]["eval/loss"] < evals[0]["eval/loss"]
-    assert {"eval/accuracy", "eval/teacher_forced_exact_match", "eval/sample_accuracy"} <= set(evals[1])
+    assert {"eval/token_accuracy", "eval/teacher_forced_exact_match", "eval/sample_accuracy"} <= set(evals[1])
     assert (run / "sft" / "config.yaml").exists()
     assert (run / "sft" / "checkpoints" / "latest").read_text().strip() == "step_00000040"
     assert (run / "data" / "train_sft.jsonl").exists()
@@ -54,11 +54,11 @@ def test_reward_model_ranks_held_out_pairs_above_90_percent(tmp_path):
     megarl(rm_args(run, *EASY_PAIRS, "train.steps=300", "train.eval_interval=100", "train.eval_batches=6",
                    "optim.lr=2e-3", "lr_schedule.style=constant", "lr_schedule.warmup_steps=10"))
     records = metrics(run / "reward_model")
-    evals = [m for m in records if "eval/accuracy" in m]
+    evals = [m for m in records if "eval/pair_accuracy" in m]
     assert [m["step"] for m in evals] == [100, 200, 300]
-    assert evals[-1]["eval/accuracy"] > 0.9, evals
+    assert evals[-1]["eval/pair_accuracy"] > 0.9, evals
     # learnt, not given: the fresh scalar head ranks the first training batches near chance
-    first = [m["train/accuracy"] for m in records if "train/accuracy" in m][:5]
+    first = [m["train/pair_accuracy"] for m in records if "train/pair_accuracy" in m][:5]
     assert sum(first) / len(first) < 0.75, first
     assert evals[-1]["eval/reward_gap"] > evals[0]["eval/reward_gap"] > 0
 

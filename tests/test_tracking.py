@@ -171,9 +171,9 @@ def test_nested_runs_and_report(tmp_path, store_uri):
                          "train/grad_norm": 1.0 + 0.1 * s}, step=s)
         rl.log_metrics({"rl/reward_mean": s / 20, "rl/kl": 0.01 * s}, step=s)
         if s % 10 == 0:
-            rl.log_metrics({"eval/pass_1": 0.4 + s / 100, "eval/response_len": 17.0 + s / 10}, step=s)
+            rl.log_metrics({"eval/pass_at_1": 0.4 + s / 100, "eval/response_len": 17.0 + s / 10}, step=s)
         if s % 5 == 4:
-            sft.log_metrics({"eval/loss": 2.0 * math.exp(-s / 6), "eval/accuracy": s / 20}, step=s)
+            sft.log_metrics({"eval/loss": 2.0 * math.exp(-s / 6), "eval/token_accuracy": s / 20}, step=s)
     pipe.log_metrics({"pipeline/stage": 2}, step=0)
     for t in (sft, rl, pipe):
         assert t.close()
@@ -193,7 +193,7 @@ def test_nested_runs_and_report(tmp_path, store_uri):
     assert imread(out / "rl__eval.png").shape[0] > img.shape[0]  # pass@1 and lengths: two panels
     md = report.read_text()
     assert pipe.run_id in md and sft.run_id in md and "![loss](sft__loss.png)" in md
-    assert "| `eval/accuracy` | 0.95 (step 19) | 0.95 (step 19) | 4 |" in md
+    assert "| `eval/token_accuracy` | 0.95 (step 19) | 0.95 (step 19) | 4 |" in md
     # the child's own run dir reports just that run
     assert write_report(tmp_path / "pipe" / "sft", tmp_path / "sft_report").exists()
     assert (tmp_path / "sft_report" / "loss.png").exists()

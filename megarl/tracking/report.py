@@ -31,7 +31,15 @@ _PARAM_HIGHLIGHTS = re.compile(
     r"(^|\.)(lr|learning_rate|min_lr|warmup\w*|weight_decay|seed|steps|max_steps|epochs|"
     r"\w*batch_size|seq_len\w*|max_seq\w*|tensor_model_parallel_size|pipeline_model_parallel_size|"
     r"tp|pp|dp|cp|ep|\w*parallel\w*|precision|dtype|bf16|fp16|num_layers|hidden_size|"
-    r"num_attention_heads|algorithm|kl_coef|clip\w*|name|path)$", re.I)
+    r"num_attention_heads|algorithm|kl_coef|clip\w*|name|path|prompts_per_step|samples_per_prompt|ppo_epochs|"
+    r"mini_batches)$", re.I)
+# Config sections that only one kind of stage reads (its tag `megarl.stage`); a stage's table
+# leaves out the others' sections, which hold nothing but defaults it never used, and RL's the
+# SFT/RM data batch (RL's batch is rl.prompts_per_step x rl.samples_per_prompt).
+_STAGE_SECTIONS = {"sft": ("sft",), "reward_model": ("reward_model",), "rl": ("rl", "roles"), "eval": ("rl",)}
+_UNUSED = {"rl": ("data.global_batch_size", "data.micro_batch_size"), "eval": ("data.global_batch_size",
+                                                                          "data.micro_batch_size")}
+MIN_SPAN = 0.1  # a panel's y-range is at least this share of its largest |value|: flat stays flat
 
 
 def metric_family(key: str) -> str:
@@ -68,10 +76,47 @@ def scale_panels(series: dict[str, tuple[list, list]], ratio: float = 10.0) -> l
     return [sorted(keys) for keys in panels]
 
 
+def stage_params(params: dict[str, str], stage: str | None) -> dict[str, str]:
+    """`params` without the sections that belong to other stages, the fields this stage does not
+    read, and role fields left unset (None: the top-level value applies). All for an unknown stage."""
+    own = _STAGE_SECTIONS.get(stage or "")
+    if own is None:
+        return dict(params)
+    foreign = {sec for secs in _STAGE_SECTIONS.values() for sec in secs} - set(own)
+    return {k: v for k, v in params.items() if k.split(".", 1)[0] not in foreign
+            and k not in _UNUSED.get(stage, ()) and not (k.startswith("roles.") and v == "None")}
+
+
+def merge_identical(series: dict[str, tuple[list, list]]) -> dict[str, tuple[list, list]]:
+    """Series with the same steps and values drawn once, labelled `a = b` (reward/mean and
+    reward/accuracy of a 0/1 reward are one curve)."""
+    groups: dict[tuple, list[str]] = {}
+    for key in sorted(series):
+        steps, values = series[key]
+        groups.setdefault((tuple(steps), tuple(values)), []).append(key)
+    return {" = ".join(keys): series[keys[0]] for keys in groups.values()}
+
+
+def y_limits(values: list[float], min_span: float = MIN_SPAN) -> tuple[float, float] | None:
+    """(low, high) for a panel whose values vary by less than `min_span` x their largest |value|
+    (centred on them), else None (matplotlib's own limits): noise of 1e-4 on a loss of 0.69 is
+    not drawn as a V that fills the axis."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return None
+    lo, hi = min(finite), max(finite)
+    span = min_span * max(abs(lo), abs(hi))
+    if hi - lo >= span or span == 0:
+        return None
+    mid = (lo + hi) / 2
+    return mid - span / 2, mid + span / 2
+
+
 def _plot_family(path: Path, title: str, series: dict[str, tuple[list, list]]) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    series = merge_identical(series)
     panels = scale_panels(series)
     fig = Figure(figsize=(7, 1.0 + 3.0 * len(panels)), dpi=100)
     FigureCanvasAgg(fig)
@@ -80,6 +125,9 @@ def _plot_family(path: Path, title: str, series: dict[str, tuple[list, list]]) -
         for key in keys:
             steps, values = series[key]
             ax.plot(steps, values, label=key, marker="o" if len(steps) < 20 else None, markersize=3)
+        limits = y_limits([v for key in keys for v in series[key][1]])
+        if limits is not None:
+            ax.set_ylim(*limits)
         if i == 0:
             ax.set_title(title)
         ax.set_xlabel("step")
@@ -99,10 +147,11 @@ def _run_section(client, run, out_dir: Path, prefix: str) -> list[str]:
     if data.tags.get("checkpoint.latest"):
         lines.append(f"- latest checkpoint: `{data.tags['checkpoint.latest']}` "
                      f"(step {data.tags.get('checkpoint.latest_step', '?')})")
-    highlights = {k: v for k, v in sorted(data.params.items()) if _PARAM_HIGHLIGHTS.search(k)}
-    shown = highlights or dict(sorted(data.params.items()))  # nothing recognisable: the first ones
-    if data.params:
-        lines += ["", f"### Params ({len(data.params)} logged; {min(len(shown), 30)} shown)", "",
+    params = stage_params(data.params, data.tags.get("megarl.stage"))
+    highlights = {k: v for k, v in sorted(params.items()) if _PARAM_HIGHLIGHTS.search(k)}
+    shown = highlights or dict(sorted(params.items()))  # nothing recognisable: the first ones
+    if params:
+        lines += ["", f"### Params ({len(data.params)} logged; {min(len(shown), 30)} of this stage's shown)", "",
                   "| param | value |", "|---|---|"]
         for k, v in list(shown.items())[:30]:
             lines.append(f"| `{k}` | `{v[:80]}` |")

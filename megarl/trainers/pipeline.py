@@ -189,6 +189,12 @@ class Pipeline:
         return final
 
     def _stage(self, stage: str) -> dict:
+        from megarl.utils.notices import quiet_megatron_notices
+
+        with quiet_megatron_notices():  # as the CLI: megatron's TE/apex notices are not for users
+            return self._run_stage(stage)
+
+    def _run_stage(self, stage: str) -> dict:
         from megarl.runtime.distributed import is_rank0, teardown, world_size_from_env
         from megarl.trainers import reward_model, rl, sft
         from megarl.trainers.loop import train_stage
@@ -243,14 +249,14 @@ def summary(run_dir: str) -> str:
     rows = []
     rl = evals("rl")
     if rl:
-        ks = sorted(k for k in rl[0] if k.startswith("eval/pass@") or k.startswith("eval/mean@"))
+        ks = sorted(k for k in rl[0] if k.startswith(("eval/pass_at_", "eval/mean_at_")))
         for label, rec in (("after SFT (RL step 0)", rl[0]), (f"after RL (step {rl[-1]['step']})", rl[-1])):
             if rec is rl[0] and rec["step"] != 0:
                 continue
-            rows.append((label, ", ".join(f"{k[5:]} {rec[k]:.3f}" for k in ks if k in rec)))
+            rows.append((label, ", ".join(f"{k[5:].replace('_at_', '@')} {rec[k]:.3f}" for k in ks if k in rec)))
     rm = evals("reward_model")
-    if rm and "eval/accuracy" in rm[-1]:
-        rows.append((f"reward model (step {rm[-1]['step']})", f"held-out pair accuracy {rm[-1]['eval/accuracy']:.3f}"))
+    if rm and "eval/pair_accuracy" in rm[-1]:
+        rows.append((f"reward model (step {rm[-1]['step']})", f"held-out pair accuracy {rm[-1]['eval/pair_accuracy']:.3f}"))
     sft = evals("sft")
     if sft and "eval/sample_accuracy" in sft[-1]:
         rows.append((f"SFT greedy samples (step {sft[-1]['step']})", f"accuracy {sft[-1]['eval/sample_accuracy']:.3f}"))
