@@ -372,6 +372,10 @@ COMMANDS = {
         (Run("ppo", needs=("rm",), before=_copy_run("runs/quickstart", "runs/ppo"),
              extra=(*TINY_RL, "train.run_dir=runs/ppo", "tracking.backend=none"),
              writes=("runs/ppo/rl/checkpoints/latest",)),),
+    "megarl rl --config configs/tiny_dapo.yaml":  # in a copy of the run dir: rl/ holds the GRPO run
+        (Run("dapo", needs=("sft",), before=_copy_run("runs/quickstart", "runs/dapo", ("data", "sft")),
+             extra=(*TINY_RL, "train.run_dir=runs/dapo", "tracking.backend=none"),
+             writes=("runs/dapo/rl/checkpoints/latest",)),),
     "megarl pipeline --config configs/tiny_pipeline.yaml [--stages rm,rl]":  # both finished above: skipped
         (Run(needs=("rm", "grpo"), extra=(*TINY_MODEL, "stages.rm.train.steps=1", "stages.rl.train.steps=1"),
              prints="rl: already complete"), Validate()),
@@ -386,6 +390,16 @@ COMMANDS = {
     "megarl report runs/quickstart":
         (Run(needs=("sft", "rm", "grpo"), writes=("runs/quickstart/report/report.md",)),),
     "sbatch -N 4 launchers/slurm/megarl.sbatch rl configs/my_grpo.yaml": (Script(), Validate(needs=("sft",))),
+    # ---- README.md: on a GPU cluster (the GPU half runs only where a GPU is: its options here)
+    "pip install --no-build-isolation -e .[gpu]": (Help(),),
+    "megarl doctor": (Run(prints="GPU checks:"),),  # the CPU half; GPU rows SKIPPED with the reason
+    "megarl doctor --gpu --json doctor.json": (Help(),),
+    "sbatch -N 2 launchers/slurm/doctor.sbatch": (Script(runs="doctor --allreduce"),),
+    "megarl validate --config configs/llama31_8b_grpo_fp8.yaml --world-size 8 --stage rl --gpu-target h100":
+        (Validate(absent_inputs=True),),  # /models, /data: not on a CI box
+    "sbatch launchers/slurm/megarl.sbatch rl configs/llama31_8b_grpo_fp8.yaml":
+        (Script(), Validate(absent_inputs=True, command="megarl validate --config configs/llama31_8b_grpo_fp8.yaml "
+                                                        "--world-size 8 --stage rl --gpu-target h100")),
     # ---- docs/launching.md
     # run.sh itself runs below (2 ranks) and in test_failure_paths.py (its check); a 2-rank SFT
     # would add a minute on a 2-core machine
