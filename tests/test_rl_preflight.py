@@ -58,3 +58,35 @@ def test_a_reward_function_that_does_not_load_is_one_line_before_anything_is_wri
     validate = megarl(["validate", "--config", "configs/tiny_grpo.yaml", "--stage", "rl",
                        f"train.run_dir={tmp_path / 'cli'}", "roles.actor.init_from=random", override], check=False)
     assert validate.returncode == 2 and error.split(": ", 1)[1][:30] in validate.stderr + validate.stdout
+
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 261,
+         "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+         "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("what", ["other_size", "unsupported", "scalar_head"])
+def test_a_role_source_that_does_not_fit_is_one_line_naming_its_key(tmp_path, what):
+    """Issue 27.5/27.10: HF weights of another size, an architecture megarl does not read, a
+    reward model's checkpoint as the actor: named with roles.actor.init_from before anything
+    is written (the load used to raise from the layout loader or name model.init_from)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    if what == "scalar_head":
+        step = src / "step_00000010"
+        step.mkdir()
+        (src / "latest").write_text("step_00000010")
+        (step / "megarl_manifest.json").write_text(json.dumps({"roles": ["reward_model"], "models": {}}))
+    else:
+        config = dict(LLAMA, architectures=["GPT2LMHeadModel"]) if what == "unsupported" else LLAMA
+        (src / "config.json").write_text(json.dumps(config))
+    cfg = _cfg(tmp_path, "configs/tiny_grpo.yaml", f"roles.actor.init_from={src}")
+    errs = data_setup.preflight(cfg, "rl")
+    want = {"other_size": "the saved model does not match the configured one: model.num_layers=2 (config: 4)",
+            "unsupported": "unsupported architectures ['GPT2LMHeadModel']",
+            "scalar_head": "holds a scalar-head model (reward_model); the actor needs a language model"}[what]
+    assert any(e.startswith(f"roles.actor.init_from: ") and want in e for e in errs), errs
+    if what == "other_size":  # the SFT stage's model.init_from alike
+        sft = _cfg(tmp_path, "configs/tiny_sft.yaml", f"model.init_from={src}")
+        assert any(e.startswith("model.init_from: ") and want in e for e in data_setup.preflight(sft, "sft"))

@@ -198,6 +198,10 @@ def preflight(cfg: Config, stage: str | None) -> list[str]:
     else:
         errs += _data_errors(cfg, "data", ("train_path", "eval_path"), cfg.data.global_batch_size,
                              "data.global_batch_size", synthetic=stage is not None)
+        init = cfg.model.init_from
+        if stage == "sft" and init:
+            found = weights.source_errors(cfg, init, "model.init_from")
+            errs += found or weights.content_errors(init, "model.init_from", cfg.model, "sft")
     if stage == "reward_model":
         errs += weights.source_errors(cfg, cfg.reward_model.init_from, "reward_model.init_from",
                                       "or set reward_model.init_from=null")

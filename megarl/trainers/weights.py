@@ -55,24 +55,27 @@ def resolve_source(cfg: Config, source: str, key: str) -> str:
     return resolve_checkpoint(source)
 
 
-def init_weights(cfg: Config, role, model_cfg=None, skip_head: bool = False) -> None:
+def init_weights(cfg: Config, role, model_cfg=None, skip_head: bool = False, key: str = "model.init_from") -> None:
     """model.init_from: a Hugging Face directory (config.json) or a megarl checkpoint.
 
-    skip_head: keep the role's own output layer (a scalar head on an LM's backbone)."""
+    skip_head: keep the role's own output layer (a scalar head on an LM's backbone). key: the
+    setting errors name (an RL role's roles.<name>.init_from)."""
+    from megarl.checkpoint.distributed import CheckpointError
+
     src = (model_cfg or cfg.model).init_from
     if not src:
         return
     if not os.path.exists(src):
-        raise ConfigError(f"model.init_from: {src} does not exist")
+        raise ConfigError(f"{key}: {src} does not exist")
     if os.path.isfile(os.path.join(src, "config.json")):
         from megarl.checkpoint.hf import check_hf_shape, load_hf_checkpoint
         from megarl.models.layout import load_full_state_dict
 
-        check_hf_shape(src, model_cfg or cfg.model)  # one line naming the fields, not the loader's traceback
         try:
+            check_hf_shape(src, model_cfg or cfg.model)  # one line naming the fields, not the loader's traceback
             _, weights = load_hf_checkpoint(src, lazy=True)  # each rank reads only its stage's tensors
-        except ValueError as e:
-            raise ConfigError(f"model.init_from: {e}") from e
+        except (ValueError, CheckpointError) as e:
+            raise ConfigError(f"{key}: {e}") from e
         load_full_state_dict(role.model, weights, (model_cfg or cfg.model).vocab_size,
                              skip_prefixes=("output_layer.",) if skip_head else ())
         if role.optimizer is not None:  # bf16/fp16: the optimizer's fp32 main copy follows the new weights
@@ -92,7 +95,8 @@ def load_role_weights(cfg: Config, role, source: str, key: str) -> str:
         return "random initialisation"
     path = resolve_source(cfg, source, key)
     if os.path.isfile(os.path.join(path, "config.json")):  # Hugging Face: an LM (a scalar role keeps its head)
-        init_weights(cfg, role, dataclasses.replace(role.model_cfg, init_from=path), skip_head=role.head != "lm")
+        init_weights(cfg, role, dataclasses.replace(role.model_cfg, init_from=path), skip_head=role.head != "lm",
+                     key=key)
         return path
     with open(os.path.join(path, MANIFEST)) as f:
         saved = json.load(f)["roles"]
@@ -116,14 +120,63 @@ def needed_roles(cfg: Config) -> list[str]:
 
 
 def role_source_errors(cfg: Config) -> list[str]:
-    """source_errors for every RL role (actor and reference both from "sft": one line)."""
+    """source_errors for every RL role (actor and reference both from "sft": one line), then what
+    the source holds against what the role needs: an architecture megarl reads, the model shape,
+    an LM head for the actor and reference. All before anything is written."""
     errs, seen = [], set()
     for name in needed_roles(cfg):
-        src = role_config(cfg, name).init_from
-        if src not in seen:
-            seen.add(src)
-            errs += source_errors(cfg, src, f"roles.{name}.init_from")
+        rc = role_config(cfg, name)
+        key = f"roles.{name}.init_from"
+        if (rc.init_from, name in LM_ROLES) in seen:
+            continue
+        seen.add((rc.init_from, name in LM_ROLES))
+        found = source_errors(cfg, rc.init_from, key)
+        if not found and rc.init_from != "random":
+            found = content_errors(_peek(cfg, rc.init_from), key, rc.model, name)
+        errs += found
     return errs
+
+
+def _peek(cfg: Config, source: str) -> str:
+    """The directory `source` names, without verifying a checkpoint (pre-flight is cheap)."""
+    root = _stage_root(cfg, source) if source in STAGE_COMMANDS else source
+    pointer = os.path.join(root, "latest")
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            return os.path.join(root, f.read().strip())
+    return root
+
+
+def content_errors(path: str, key: str, model_cfg, role_name: str) -> list[str]:
+    """What in `path` (an HF directory or a megarl step dir) does not fit role `role_name` with
+    `model_cfg`, one line naming `key`."""
+    from megarl.checkpoint.distributed import MANIFEST, SHAPE_KEYS, CheckpointError, model_shape
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        from megarl.checkpoint.hf import check_hf_shape
+
+        try:
+            check_hf_shape(path, model_cfg)
+        except CheckpointError as e:
+            return [f"{key}: {e}"]
+        return []
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest):
+        return []  # a partial or foreign directory: the load names it (with the last good checkpoint)
+    with open(manifest) as f:
+        m = json.load(f)
+    saved = m.get("roles", [])
+    name = role_name if role_name in saved else (saved[0] if len(saved) == 1 else None)
+    if name is None:
+        return [f"{key}: {path} holds roles {', '.join(saved)}; none is named {role_name}"]
+    if role_name in LM_ROLES and name not in LM_ROLES:
+        return [f"{key}: {path} holds a scalar-head model ({name}); the {role_name} needs a language model"]
+    have, want = (m.get("models") or {}).get(name), model_shape(model_cfg)
+    diff = [f"{k}={have[k]} (config: {want[k]})" for k in SHAPE_KEYS if have and k in have and have[k] != want[k]]
+    if diff:
+        return [f"{key}: {path}: the saved model does not match the configured one: model."
+                + ", model.".join(diff) + "; use the model section it was saved with"]
+    return []
 
 
 def optimizer_steps(cfg: Config) -> int:
