@@ -1,6 +1,7 @@
 """GPU benchmark of the fused CUDA kernels against the HBM floor (and the naive formula).
 
     python bench/bench_gpu_ops.py [--hbm-tbps 3.35] [--tokens 8192] [--vocab 152064] [--iters 20]
+                                  [--json out.json] [--rl-step [--quick]]
 
 Log-probs/entropy, bf16 logits [tokens, vocab]: the forward must read the logits once, the
 backward read them once more and write the gradient once, so the floors are
@@ -11,15 +12,39 @@ GAE fp32 [512, 4096] with a bool mask reads r, v, mask and writes adv, ret:
 Times are CUDA-event medians over --iters calls after warm-up; GAE is also timed from a CUDA
 graph of 20 calls to remove the per-call CPU overhead (which exceeds a 12.5 us kernel). Peak
 memory is torch.cuda.max_memory_allocated above the inputs. --hbm-tbps is the peak bandwidth
-of the GPU (H100 SXM 3.35, H100 PCIe 2.0, H200 4.8). Prints a markdown table.
+of the GPU (H100 SXM 3.35, H100 PCIe 2.0, H200 4.8; default: looked up from the device name in
+PEAKS). Prints a markdown table; --json also writes the rows (what `megarl doctor --gpu` reads).
+
+--rl-step: one GRPO step (actor + KL reference, bf16, one GPU) at a 1B-class Llama shape
+(hidden 2048, 16 layers, ffn 5632, 16/8 heads, vocab 32000; 8 prompts x 8 samples, 128 prompt and
+256 new tokens, --quick: 64), after one warm-up step: rollout tokens/s (generated tokens / the
+generate phase's seconds) and the step's MFU = model FLOPs / step seconds / the device's dense
+BF16 peak, with model FLOPs = 2 P per generated token (decode) + 2 P per token for each of the
+two scoring forwards (old log-probs, reference) + 6 P per token trained on, P = the GEMM parameters
+(layers + output layer; attention's s^2 FLOPs and the embedding lookup are not counted).
 """
 import argparse
+import json
+import os
 import statistics
+import sys
+import tempfile
 import time
 
 import torch
 
 from megarl.ops import gae, kernel_backend, logprobs_and_entropy
+
+# device-name fragment -> (HBM peak TB/s, dense BF16 peak TFLOP/s), from the vendors' data sheets;
+# the first fragment the name contains wins (so "H100 PCIe" precedes "H100")
+PEAKS = [("H100 PCIe", 2.0, 756), ("H100 NVL", 3.9, 835), ("H100", 3.35, 989), ("GH200", 4.0, 989),
+         ("H200", 4.8, 989), ("B200", 8.0, 2250), ("A100-SXM4-80GB", 2.039, 312), ("A100 80GB PCIe", 1.935, 312),
+         ("A100", 1.555, 312), ("L40S", 0.864, 362)]
+
+
+def device_peaks(name: str):
+    """(HBM TB/s, BF16 TFLOP/s) of a device name, or None when it is not in PEAKS."""
+    return next(((bw, fl) for frag, bw, fl in PEAKS if frag in name), None)
 
 
 def naive(x, t):
@@ -75,14 +100,27 @@ def graph_time_us(fn, calls=20, iters=20):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hbm-tbps", type=float, default=3.35)
+    ap.add_argument("--hbm-tbps", type=float, default=None, help="HBM peak (default: PEAKS by device name)")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--vocab", type=int, default=152064)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--skip-naive", action="store_true", help="naive needs ~3x 5 GB of fp32 copies")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--rl-step", action="store_true", help="rollout tokens/s and RL-step MFU at a 1B shape instead")
+    ap.add_argument("--quick", action="store_true", help="--rl-step: 64 new tokens instead of 256")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this benchmark needs a GPU")
+    name = torch.cuda.get_device_name()
+    peaks = device_peaks(name)
+    if args.rl_step:
+        if peaks is None:
+            raise SystemExit(f"{name} is not in PEAKS (bench/bench_gpu_ops.py): its BF16 peak is unknown")
+        return write_json(args.json, name, [bench_rl_step(args, peaks[1] * 1e12)])
+    if args.hbm_tbps is None:
+        if peaks is None:
+            raise SystemExit(f"{name} is not in PEAKS (bench/bench_gpu_ops.py): pass --hbm-tbps")
+        args.hbm_tbps = peaks[0]
     bw = args.hbm_tbps * 1e12
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, megarl backend "
           f"{kernel_backend()!r}, {time.strftime('%Y-%m-%d')}, HBM peak {args.hbm_tbps} TB/s, "
@@ -94,8 +132,15 @@ def main():
     print("| op | shape | impl | time | HBM floor | % of peak BW | extra peak MiB |")
     print("|---|---|---|---|---|---|---|")
 
-    bench_logprobs(args, bw)
-    bench_gae(args, bw)
+    rows = bench_logprobs(args, bw) + bench_gae(args, bw)
+    write_json(args.json, name, rows, hbm_tbps=args.hbm_tbps)
+
+
+def write_json(path, device, rows, **extra):
+    if path:
+        with open(path, "w") as f:
+            json.dump({"device": device, "torch": torch.__version__, "backend": kernel_backend(), **extra,
+                       "rows": rows}, f, indent=1)
 
 
 def bench_logprobs(args, bw):
@@ -109,10 +154,12 @@ def bench_logprobs(args, bw):
     print(f"<!-- fused vs naive on 256 rows: max abs diff {err:.2e} -->")
     nbytes = x.numel() * x.element_size()
     impls = [("megarl", fused)] + ([] if args.skip_naive else [("naive", naive)])
+    rows = []
     for name, fn in impls:
         ms = cuda_time(lambda: fn(x, t), args.iters)
         mem = peak_extra_mib(lambda: fn(x, t))
         floor = nbytes / bw * 1e3
+        rows.append(_row("logprobs_fwd", f"bf16 {N}x{V}", name, ms, floor, nbytes))
         print(f"| logprobs+entropy fwd | bf16 {N}x{V} | {name} | {ms:.3f} ms | {floor:.3f} ms "
               f"| {100 * floor / ms:.0f}% | {mem:.0f} |", flush=True)
     xg = x.clone().requires_grad_()
@@ -127,8 +174,16 @@ def bench_logprobs(args, bw):
         # the gradient itself (nbytes) is required output, not workspace
         mem = peak_extra_mib(step, reset=lambda: setattr(xg, "grad", None)) - nbytes / 2**20
         floor = 3 * nbytes / bw * 1e3
+        rows.append(_row("logprobs_fwd_bwd", f"bf16 {N}x{V}", name, ms, floor, 3 * nbytes))
         print(f"| logprobs+entropy fwd+bwd | bf16 {N}x{V} | {name} | {ms:.3f} ms | {floor:.3f} ms "
               f"| {100 * floor / ms:.0f}% | {mem:.0f} (beyond grad) |", flush=True)
+    return rows
+
+
+def _row(op, shape, impl, ms, floor_ms, nbytes):
+    """One JSON row: achieved GB/s over the bytes the op must move, and % of the HBM peak."""
+    return {"op": op, "shape": shape, "impl": impl, "ms": ms, "floor_ms": floor_ms,
+            "gbps": nbytes / (ms * 1e-3) / 1e9, "pct_of_peak": 100 * floor_ms / ms}
 
 
 def bench_gae(args, bw):
@@ -136,12 +191,56 @@ def bench_gae(args, bw):
     r = torch.randn(B, T, device="cuda")
     v = torch.randn(B, T, device="cuda")
     m = torch.arange(T, device="cuda")[None] < torch.randint(1, T + 1, (B, 1), device="cuda")
-    floor_us = (4 + 4 + 1 + 4 + 4) * B * T / bw * 1e6
+    nbytes = (4 + 4 + 1 + 4 + 4) * B * T
+    floor_us = nbytes / bw * 1e6
     us_call = cuda_time(lambda: gae(r, v, m, 0.99, 0.95), args.iters) * 1e3
     us_graph = graph_time_us(lambda: gae(r, v, m, 0.99, 0.95))
-    for label, us in (("per call", us_call), ("CUDA graph", us_graph)):
+    rows = []
+    for label, op, us in (("per call", "gae_call", us_call), ("CUDA graph", "gae_graph", us_graph)):
+        rows.append(_row(op, f"fp32 {B}x{T}", "megarl", us * 1e-3, floor_us * 1e-3, nbytes))
         print(f"| gae ({label}) | fp32 {B}x{T} | megarl | {us:.1f} us | {floor_us:.1f} us "
               f"| {100 * floor_us / us:.0f}% | |", flush=True)
+    return rows
+
+
+def bench_rl_step(args, bf16_peak_flops):
+    """Rollout tokens/s and MFU of one GRPO step at the 1B shape (see the module docstring)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_rl_step as rl
+
+    import megarl.config
+
+    new_tokens = 64 if args.quick else 256
+    shape = argparse.Namespace(hidden=2048, ffn=5632, layers=16, heads=16, kv_heads=8, vocab=32000, prompts=8,
+                               samples=8, prompt_len=128, new_tokens=new_tokens, micro_batch=8, beta=0.04,
+                               old_logprobs="recompute", max_pos=128 + new_tokens)
+    with tempfile.TemporaryDirectory() as work:
+        model_dir, prompts_file = rl.build_assets(shape, work)
+        # bench_rl_step's CPU comparison runs fp32; here the GPU's precision: bf16
+        real = megarl.config.load_config
+        megarl.config.load_config = lambda path, overrides: real(path, [*overrides, "train.precision=bf16"])
+        try:
+            stage = rl.build_megarl(shape, model_dir, prompts_file, work)
+        finally:
+            megarl.config.load_config = real
+        stage.step(1)  # warm-up: allocations, kernel selection
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        m = stage.step(2)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    h, L, V = shape.hidden, shape.layers, shape.vocab
+    hd = h // shape.heads
+    params = L * (h * (shape.heads + 2 * shape.kv_heads) * hd + shape.heads * hd * h + 3 * h * shape.ffn) + h * V
+    rows = shape.prompts * shape.samples
+    generated = rows * m["rollout/response_len_mean"]
+    tokens = rows * shape.prompt_len + generated
+    flops = 2 * params * generated + 2 * 2 * params * tokens + 6 * params * tokens
+    mfu = flops / seconds / bf16_peak_flops
+    print(f"| RL step (GRPO, 1B, bf16) | {rows} x ({shape.prompt_len} + {new_tokens}) | "
+          f"{seconds:.2f} s | rollout {m['perf/generate_tokens_per_s']:.0f} tokens/s | MFU {100 * mfu:.1f}% |")
+    return {"op": "rl_step", "shape": f"1B, {rows} x ({shape.prompt_len} + {new_tokens})", "seconds": seconds,
+            "rollout_tokens_per_s": m["perf/generate_tokens_per_s"], "mfu": mfu, "model_flops": flops}
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ def wait_held(cluster, run_dir: Path, timeout: float = 240) -> str:
 def test_one_sbatch_script_takes_the_stage():
     """One job script for every stage (no per-stage copies to drift apart); a submission
     without STAGE CONFIG stops at once with the usage line, before anything else runs."""
-    assert sorted(p.name for p in SBATCH.parent.glob("*.sbatch")) == ["megarl.sbatch"]
+    # (doctor.sbatch checks a node with `megarl doctor`; it runs no stage)
+    assert sorted(p.name for p in SBATCH.parent.glob("*.sbatch")) == ["doctor.sbatch", "megarl.sbatch"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     for args in ([], ["sft"], ["--"]):
         out = subprocess.run(["bash", str(SBATCH), *args], capture_output=True, text=True, env=env, timeout=30)

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megarl.config.schema import ModelConfig, ParallelConfig
+from megarl.config.schema import FP8Config, ModelConfig, ParallelConfig
 from megarl.config.validate import has_module
+from megarl.models import fp8 as fp8_map
 from megarl.models import layout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,7 +40,7 @@ def use_transformer_engine(mc: ModelConfig) -> bool:
     return available if mc.transformer_impl == "auto" else True
 
 
-def transformer_config(mc: ModelConfig, pc: ParallelConfig, precision: str = "fp32", fp8: str | None = None):
+def transformer_config(mc: ModelConfig, pc: ParallelConfig, precision: str = "fp32", fp8: FP8Config | None = None):
     from megatron.core.transformer import TransformerConfig
 
     dtype = DTYPES[precision]
@@ -68,7 +69,7 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig, precision: str = "fp
         pipeline_dtype=dtype,
         bf16=precision == "bf16",
         fp16=precision == "fp16",
-        fp8=fp8,
+        **fp8_map.transformer_config_fields(fp8),  # train.fp8 (models/fp8.py); none when off
         # Fusions that need CUDA kernels stay off; TE brings its own when it is the spec.
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -165,13 +166,16 @@ def gpt_model_class():
     class MegarlGPTModel(GPTModel):
         output_from = 0  # set for the duration of one forward call
         return_hidden = False  # likewise
+        fp8_rollout = "bf16"  # train.fp8.rollout: the GEMM precision of generation (KV-cache) steps
 
         def forward(self, *args, output_from: int = 0, return_hidden: bool = False, **kw):
             if return_hidden and getattr(self, "megarl_head", "lm") != "lm":
                 raise ValueError("return_hidden=True needs the LM head (the scalar head has no vocabulary)")
             self.output_from, self.return_hidden = int(output_from), bool(return_hidden)
+            generating = kw.get("inference_context") is not None or kw.get("inference_params") is not None
             try:
-                return super().forward(*args, **kw)
+                with fp8_map.generation_precision(self.config, self.fp8_rollout, generating):
+                    return super().forward(*args, **kw)
             finally:
                 self.output_from, self.return_hidden = 0, False
 
@@ -213,7 +217,7 @@ def gpt_model_class():
 
 
 def build_model(mc: ModelConfig, pc: ParallelConfig, *, head: str = "lm", precision: str = "fp32",
-                fp8: str | None = None, seed: int = 1234):
+                fp8: FP8Config | None = None, seed: int = 1234):
     """Build this rank's stage of the model and initialise it layout-invariantly.
 
     head="lm": logits over this TP rank's vocabulary shard, [b, s, V_pad/tp].
@@ -243,6 +247,8 @@ def build_model(mc: ModelConfig, pc: ParallelConfig, *, head: str = "lm", precis
     if head == "scalar" and model.post_process:
         model.output_layer = ScalarHead(mc.hidden_size, pc.sequence_parallel, config.params_dtype)
     model.megarl_head = head
+    if fp8_map.enabled(fp8):
+        model.fp8_rollout = fp8.rollout
     model.megarl_vocab_size = mc.vocab_size
     layout.init_parameters(model, seed=seed, std=mc.init_std, num_layers=mc.num_layers,
                            vocab_size=mc.vocab_size, tied=mc.tie_embeddings and head == "lm")
