@@ -134,3 +134,24 @@ def test_config_names_resolve_to_the_shipped_recipes(tmp_path, monkeypatch):
     assert resolve_config_path("other/tiny_sft.yaml") == "other/tiny_sft.yaml"  # a path is a path
     with pytest.raises(ConfigError, match=r"nope.yaml: config file not found \(shipped configs: base.yaml, .*tiny_sft.yaml"):
         load_config("nope.yaml")
+
+
+def test_setup_without_a_venv_makes_and_names_the_repos_own(tmp_path):
+    """launchers/local/venv.sh, which setup.sh, quickstart.sh and tests/run.sh source: with no
+    venv active, the clone's .venv is created once and used, and the quickstart's last line
+    names the `source` command that a new shell needs for `megarl` and `mlflow ui`."""
+    (tmp_path / "launchers" / "local").mkdir(parents=True)
+    shutil.copy(REPO / "launchers" / "local" / "venv.sh", tmp_path / "launchers" / "local" / "venv.sh")
+    env = _env()
+    for k in ("CONDA_PREFIX", "PYTHON"):
+        env.pop(k, None)
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if not Path(p, "activate").is_file())
+    script = ("source launchers/local/venv.sh && megarl_use_venv && megarl_activate_line && "
+              "python3 -c 'import sys; print(sys.prefix)'")
+    runs = [subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    venv = tmp_path / ".venv"
+    for out in runs:
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split("\n")[-3:] == [f"source {venv}/bin/activate", str(venv), ""], out.stdout
+    assert f"creating {venv}" in runs[0].stdout and "creating" not in runs[1].stdout

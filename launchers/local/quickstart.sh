@@ -5,6 +5,9 @@
 #   launchers/local/quickstart.sh [key=value overrides, e.g. stages.rl.train.steps=20]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+# shellcheck source=launchers/local/venv.sh
+source launchers/local/venv.sh
+megarl_use_venv  # no venv active: the repository's .venv, which setup.sh fills
 launchers/local/setup.sh
 # shellcheck source=launchers/lib.sh
 source launchers/lib.sh
@@ -18,3 +21,4 @@ echo
 echo "Run directory: $RUN_DIR (sft/, reward_model/, rl/, logs/)"
 echo "MLflow store:  mlflow ui --backend-store-uri sqlite:///$(cd "$RUN_DIR" && pwd)/mlflow.db"
 echo "Plots:         $RUN_DIR/report/ (megarl report $RUN_DIR)"
+echo "In a new shell, first: $(megarl_activate_line)"
