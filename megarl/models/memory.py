@@ -15,7 +15,8 @@ torch.cuda.max_memory_allocated are the measurements):
   / tp, the h parts / tp only with sequence parallelism; times the micro-batches 1F1B keeps in
   flight on the first stage (min(pp, micro-batches)); plus the vocab-parallel logits and their
   gradient on the last stage;
-- generation: the KV cache of one rollout micro-batch (train.fp8 does not shrink it: BF16);
+- generation: the KV cache of one rollout micro-batch (in the actor's precision: FP8 does not
+  shrink it);
 - a fixed OVERHEAD for the CUDA context, NCCL buffers and allocator fragmentation.
 Not counted: TE's FP8 transpose caches and amax histories, temporary GEMM workspaces, the
 prefill's logits.
@@ -107,11 +108,12 @@ def activation_bytes(m: ModelConfig, cfg: Config, precision: str, tokens: int, m
     return max(first, last)
 
 
-def kv_cache_bytes(m: ModelConfig, cfg: Config, rows: int, length: int) -> int:
+def kv_cache_bytes(m: ModelConfig, cfg: Config, rows: int, length: int, precision: str = "bf16") -> int:
+    """K and V of every layer on this stage for `rows` sequences of `length` tokens."""
     p = cfg.parallel
     hd = m.head_dim or m.hidden_size // m.num_attention_heads
     kv = m.num_kv_heads or m.num_attention_heads
-    return 2 * (m.num_layers // p.pp) * max(kv // p.tp, 1) * hd * rows * length * 2  # K and V, bf16
+    return 2 * (m.num_layers // p.pp) * max(kv // p.tp, 1) * hd * rows * length * BYTES[precision]
 
 
 @dataclass
@@ -158,7 +160,7 @@ def estimate(cfg: Config, world_size: int, stage: str, roles: list[str] | None =
     actor = role_config(cfg, "actor")
     act = activation_bytes(actor.model, cfg, actor.precision, tokens, n_micro)
     gen_rows = min(r.rollout_batch_size, rows_per_rank)
-    kv = kv_cache_bytes(actor.model, cfg, gen_rows, length)
+    kv = kv_cache_bytes(actor.model, cfg, gen_rows, length, actor.precision)
     return MemoryEstimate(mems, act, f"train micro-batch of {tokens} tokens", kv,
                           f"rollout batch {gen_rows} x {length} tokens")
 
