@@ -59,3 +59,59 @@ def test_hf_weights_of_another_size_give_the_mismatch_line(tmp_path, hf_llama, s
     assert lines == [f"megarl: error: {hf_llama}: the saved model does not match the configured one: "
                      "model.hidden_size=64 (config: 32), model.head_dim=16 (config: 8); "
                      "use the model section it was saved with"], lines
+
+
+def test_disk_full_is_recognised_and_named(tmp_path):
+    """The injected form (any machine): ENOSPC in the chain, also inside torch DCP's per-rank
+    failures, becomes one line naming the step, the directory and the last good checkpoint; the
+    temp dir goes. Other errors pass through unchanged."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megarl.checkpoint.distributed import CheckpointError, disk_full_named, is_disk_full
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert is_disk_full(full, str(tmp_path))
+    assert is_disk_full(CheckpointException("write", {0: (full, None)}), str(tmp_path))
+    assert not is_disk_full(RuntimeError("unexpected pos 704 vs 598"), str(tmp_path))  # space left here
+    root, tmp = tmp_path / "checkpoints", tmp_path / "checkpoints" / ".tmp-step_00000006"
+    tmp.mkdir(parents=True)
+    (tmp / "shard").write_bytes(b"x" * 100)
+    with pytest.raises(CheckpointError) as e:
+        with disk_full_named(str(root), str(tmp), 6):
+            raise CheckpointException("write", {0: (full, None)})
+    assert str(e.value) == (f"no space left on device while saving step 6 to {root}; "
+                            "the last good checkpoint is none (nothing saved yet)")
+    assert not tmp.exists()
+    with pytest.raises(ValueError, match="other"):
+        with disk_full_named(str(root), str(tmp), 6):
+            raise ValueError("other")
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 2.4 MB tmpfs (room for one checkpoint of the TINY model, 1.6 MB, not two); needs root."""
+    mnt = tmp_path / "run" / "sft" / "checkpoints"
+    mnt.mkdir(parents=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2400k", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root (test_disk_full_is_recognised_and_named covers the logic)")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_disk_full_during_a_checkpoint_is_one_line(tmp_path, small_fs):
+    """A real full filesystem under checkpoints/: step 2 is saved, step 4 does not fit. One line
+    (before: tracebacks ending in torch's "unexpected pos"), exit non-zero, no temp dir left,
+    `latest` still names step 2."""
+    run = tmp_path / "run"
+    out = megarl(["sft", "--config", "tiny_sft.yaml", *TINY, f"train.run_dir={run}", "train.steps=6",
+                  "checkpoint.save_interval=2", "checkpoint.keep_last=3", "train.eval_interval=0",
+                  "tracking.backend=mlflow"], check=False)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [
+        f"megarl: error: no space left on device while saving step 4 to {small_fs}; the last good checkpoint is step 2"
+    ], out.stderr[-3000:]
+    assert sorted(os.listdir(small_fs)) == ["latest", "step_00000002"]
+    assert (small_fs / "latest").read_text().strip() == "step_00000002"

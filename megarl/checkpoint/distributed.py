@@ -16,6 +16,7 @@ into the same layout they were saved from (a different layout has different rank
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -155,12 +156,13 @@ def save_checkpoint(root: str, step: int, roles: dict, state: dict, keep_last: i
     shapes = {n: model_shape(r.model_cfg) for n, r in roles.items() if getattr(r, "model_cfg", None) is not None}
 
     def publish():
-        _publish(root, tmp, final, step, sorted(roles), keep_last, shapes)
+        with disk_full_named(root, tmp, step):
+            _publish(root, tmp, final, step, sorted(roles), keep_last, shapes)
         if on_durable is not None:
             on_durable(final)
 
     if async_queue is None:
-        with signals_blocked():  # the writer processes it forks: the job's signals are the trainer's
+        with disk_full_named(root, tmp, step), signals_blocked():  # signals: the forked writers' are the trainer's
             dist_checkpointing.save(sd, tmp)
         publish()
     else:
@@ -170,6 +172,51 @@ def save_checkpoint(root: str, step: int, roles: dict, state: dict, keep_last: i
         with signals_blocked():  # the forked writer (and the processes it forks) likewise
             async_queue.schedule_async_request(request)
     return final
+
+
+def is_disk_full(exc: BaseException, path: str) -> bool:
+    """ENOSPC anywhere in `exc`'s chain (or a torch DCP failure's per-rank errors), or less than
+    1 MiB left where `path` is: torch's writer reports a full disk as "unexpected pos N vs M"."""
+    import errno
+
+    stack, seen = [exc], set()
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if not isinstance(e, BaseException):
+            continue
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        failures = getattr(e, "failures", None)  # torch DCP: {rank: (exception, traceback)}
+        stack += [e.__cause__, e.__context__] + [f[0] if isinstance(f, tuple) else f for f in
+                                                 (failures.values() if isinstance(failures, dict) else ())]
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 1 << 20
+
+
+@contextlib.contextmanager
+def disk_full_named(root: str, tmp: str, step: int):
+    """A save that fails for want of space: its temp dir removed, and one line naming the step,
+    the directory and the last good checkpoint (instead of the writers' tracebacks)."""
+    try:
+        yield
+    except BaseException as e:  # torch DCP's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)) or not is_disk_full(e, root):
+            raise
+        if is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            latest = latest_checkpoint(root)
+        except CheckpointError:
+            latest = None
+        last = f"step {int(os.path.basename(latest).split('_')[1])}" if latest else "none (nothing saved yet)"
+        raise CheckpointError(f"no space left on device while saving step {step} to {root}; "
+                              f"the last good checkpoint is {last}") from e
 
 
 def run_id_for(root: str) -> str:

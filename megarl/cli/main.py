@@ -18,6 +18,7 @@ shows the traceback. A pre-empted run exits 75 after checkpointing, for the laun
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -291,6 +292,12 @@ def main(argv=None) -> int:
         where = e.filename or ""
         print(f"megarl: error: {where}{': ' if where else ''}{e.strerror or e}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as e:  # a full disk outside a checkpoint (those name the step and the last good one)
+        if debug or e.errno != errno.ENOSPC:
+            raise
+        print(f"megarl: error: no space left on device{' while writing ' + str(e.filename) if e.filename else ''}",
+              file=sys.stderr)
+        return 1
     except (StageStopped, RewardError) as e:  # the run stopped itself; its last good checkpoint is kept
         if debug:
             raise

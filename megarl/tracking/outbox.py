@@ -61,7 +61,8 @@ class Outbox:
             self.cond.notify_all()
 
     def spill_all(self) -> int:
-        """Move every op still in memory to the spill file (at close, when delivery timed out)."""
+        """Move every op still in memory to the spill file (at close, when delivery timed out);
+        returns how many were saved."""
         with self.cond:
             ops = [op for _, op in self._items]
             self._items.clear()
@@ -71,6 +72,7 @@ class Outbox:
                 except OSError as exc:
                     log.warning("megarl.tracking: cannot write %s (%s); %d ops lost",
                                 self.spill_path, exc, len(ops))
+                    ops = []
             self.cond.notify_all()
             return len(ops)
 

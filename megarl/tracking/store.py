@@ -101,6 +101,7 @@ def _create(path: Path) -> None:
     """Build the store in a temp file, then link it into place (never a half-built `path`)."""
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # its INFO lines, at every retry
     tmp = path.with_name(f"{path.name}{CREATING}{os.getpid()}-{time.time_ns()}")
     uri = f"sqlite:///{tmp}"
     try:
