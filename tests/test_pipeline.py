@@ -159,3 +159,26 @@ def test_pipeline_checks_every_stage_before_the_first_step(tmp_path):
         assert "lr_schedule.warmup_steps (5) must be in [0, decay steps (2))" in out.stderr
         assert "Traceback" not in out.stderr
     assert not (tmp_path / "run" / "sft").exists()
+
+
+def test_progress_line_shows_the_pipeline_stage_and_a_run_eta(capsys):
+    """Each progress line of a stage in a pipeline says which stage of how many and the ETA of
+    the whole run: the running stage's pace, times its own remaining steps plus the later
+    stages' work in its units."""
+    from megarl.trainers.loop import Progress
+    from megarl.trainers.pipeline import RunETA, load_pipeline_config, stage_work
+
+    cfgs = load_pipeline_config("configs/tiny_pipeline.yaml", [])
+    work = {s: stage_work(c, s) for s, c in cfgs.items()}
+    assert work["rm"][0] == 2 * work["sft"][0] * 64 / 32  # pairs: twice the sequences, 64 a step vs 32
+    eta = RunETA(cfgs)
+    seconds = 0.5 * (600 - 300) + 0.5 * (work["rm"][1] + work["rl"][1]) / work["sft"][0]
+    assert eta.reporter("sft")(300, 600, 0.5) == f"pipeline stage 1/3, run ETA ~{int(seconds) // 60}:{int(seconds) % 60:02d}"
+    assert eta.reporter("rl")(59, 60, 2.0) == "pipeline stage 3/3, run ETA ~0:02"
+    assert RunETA({"rl": cfgs["rl"]}).reporter("rl")(0, 60, 61.0) == "pipeline stage 1/1, run ETA ~1:01:00"
+
+    progress = Progress(total=4, initial=0, desc="rm", every=2, run=lambda done, total, rate: f"stage 2/3, run {done}")
+    for _ in range(4):
+        progress.update({"train/loss": 1.0})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rm step")]
+    assert len(lines) == 2 and "; stage 2/3, run 2) | loss 1" in lines[0] and lines[1].startswith("rm step 4/4 (100%")

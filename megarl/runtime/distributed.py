@@ -65,6 +65,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_ranks(environ=None) -> int:
+    """How many ranks share this node (torchrun's LOCAL_WORLD_SIZE, srun's tasks per node), else 1."""
+    environ = os.environ if environ is None else environ
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        if environ.get(key, "").isdigit():
+            return max(1, int(environ[key]))
+    per_node = environ.get("SLURM_TASKS_PER_NODE", "")  # "4" or "4(x2)"
+    return max(1, int(per_node.split("(")[0])) if per_node.split("(")[0].isdigit() else 1
+
+
+def cpu_threads(environ=None, cpus: int | None = None) -> tuple[int, str]:
+    """(torch intra-op threads for this rank, why). OMP_NUM_THREADS when set; else this process's
+    CPUs (its affinity: what taskset, cgroups or SLURM give it) shared by the node's ranks, less
+    one left to the loop's other threads (tracking, data loading, checkpoint writes) and the
+    machine's other work. An OpenMP team waits for its slowest thread at every op, so a thread
+    that gets descheduled stalls them all: on a 2-core machine under load, 2 threads made SFT
+    steps 10-20x slower than 1 (docs/benchmarks.md). Fixed per machine, so a run's figures are too."""
+    environ = os.environ if environ is None else environ
+    given = environ.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given), "OMP_NUM_THREADS"
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks = local_ranks(environ)
+    return max(1, cpus // ranks - 1), f"{cpus} CPUs / {ranks} local rank(s), one left free"
+
+
 def world_size_from_env(environ=None) -> int:
     """The world size before any process group exists (for config validation)."""
     return process_env(environ).world_size
@@ -80,6 +107,7 @@ def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, *, seed: int = 1234,
     from megatron.core import parallel_state
 
     env = process_env()
+    torch.set_num_threads(cpu_threads()[0])
     cuda = torch.cuda.is_available()
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"

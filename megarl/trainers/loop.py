@@ -116,12 +116,14 @@ class Progress:
              "kl/mean", "actor/loss", "actor/entropy", "actor/clip_fraction", "critic/loss",
              "critic/explained_variance", "rollout/response_len_mean", "perf/tokens_per_s", "perf/step_time_s")
 
-    def __init__(self, total: int, initial: int, desc: str, every: int):
+    def __init__(self, total: int, initial: int, desc: str, every: int, run=None):
+        """run: for a stage inside a pipeline, `run(done, total, seconds_per_step) -> str` adds the
+        pipeline's part (stage i of n, an ETA for the whole run) to the line."""
         import sys
 
         from tqdm import tqdm
 
-        self.total, self.done, self.desc, self.every = total, initial, desc, every
+        self.total, self.done, self.desc, self.every, self.run = total, initial, desc, every, run
         self.start, self.start_step = time.perf_counter(), initial
         self.bar = None
         if is_rank0() and sys.stderr.isatty():
@@ -129,15 +131,18 @@ class Progress:
 
     def update(self, metrics: dict) -> None:
         self.done += 1
+        rate = (time.perf_counter() - self.start) / max(self.done - self.start_step, 1)  # s/step, evals included
+        run = f"; {self.run(self.done, self.total, rate)}" if self.run is not None else ""
         if self.bar is not None:
             self.bar.update(1)
             shown = [k for k in self.SHOWN if k in metrics][:4]
             self.bar.set_postfix({k.split("/")[1]: f"{metrics[k]:.4g}" for k in shown})
+            if run:
+                self.bar.set_description(f"{self.desc} ({run[2:]})")
         if is_rank0() and (self.done % self.every == 0 or self.done == self.total):
-            rate = (time.perf_counter() - self.start) / max(self.done - self.start_step, 1)
-            eta = int(rate * (self.total - self.done))
             self.write(f"{self.desc} step {self.done}/{self.total} ({100 * self.done // self.total}%, "
-                       f"ETA {eta // 60}:{eta % 60:02d}) | {_fmt({k: metrics[k] for k in self.SHOWN if k in metrics})}")
+                       f"ETA {clock(rate * (self.total - self.done))}{run}) | "
+                       f"{_fmt({k: metrics[k] for k in self.SHOWN if k in metrics})}")
 
     def write(self, line: str) -> None:
         if self.bar is not None:
@@ -153,10 +158,10 @@ class Progress:
 class MetricLogger:
     """Every step's and evaluation's metrics to MLflow, metrics.jsonl and the progress line."""
 
-    def __init__(self, tracker, stage_dir: str, name: str, total: int, resume_step: int, every: int):
+    def __init__(self, tracker, stage_dir: str, name: str, total: int, resume_step: int, every: int, run=None):
         self.tracker, self.name = tracker, name
         self.file = MetricsFile(os.path.join(stage_dir, "metrics.jsonl"), resume_step)
-        self.progress = Progress(total, resume_step, name, every)
+        self.progress = Progress(total, resume_step, name, every, run)
         self.final: dict = {}  # the latest value of every metric, the resumed-from part included
         for record in self.file.kept:
             self.final.update({k: v for k, v in record.items() if k != "step"})
@@ -249,20 +254,21 @@ class Checkpointer:
 
 
 def run_stage(cfg: Config, stage: Stage, stage_dir: str, tracker,
-              preemption: PreemptionSignal | None = None) -> dict:
+              preemption: PreemptionSignal | None = None, run=None) -> dict:
     """Run `stage` for cfg.train.steps loop steps; returns the final metrics. `preemption`: a
     handler installed before the stage was built (train_stage), so that a signal during setup
-    or the step-0 evaluation also ends in a clean exit 75."""
+    or the step-0 evaluation also ends in a clean exit 75. `run`: the pipeline's part of the
+    progress line (Progress)."""
     if preemption is None:
         with PreemptionSignal() as preemption:
-            return run_stage(cfg, stage, stage_dir, tracker, preemption)
+            return run_stage(cfg, stage, stage_dir, tracker, preemption, run)
     total = cfg.train.steps
     checkpointer = Checkpointer(cfg, stage, os.path.join(stage_dir, "checkpoints"), tracker)
     step = checkpointer.resume()
     if step >= total and is_rank0():
         log.info("%s: already complete (step %d of %d); results in %s (metrics.jsonl, checkpoints/)",
                  stage.name, step, total, stage_dir)
-    logger = MetricLogger(tracker, stage_dir, stage.name, total, step, cfg.train.log_interval)
+    logger = MetricLogger(tracker, stage_dir, stage.name, total, step, cfg.train.log_interval, run)
     evaluator = Evaluator(stage, cfg.train.eval_interval, total, logger)
     if step == 0 and not preemption.requested():
         evaluator.maybe(0)  # the starting point, for stages that ask (RL: the model it starts from)
@@ -296,18 +302,24 @@ def run_stage(cfg: Config, stage: Stage, stage_dir: str, tracker,
     return logger.final
 
 
-def train_stage(cfg: Config, name: str, build, keep_process_group: bool = False) -> dict:
+def train_stage(cfg: Config, name: str, build, keep_process_group: bool = False, run=None) -> dict:
     """A stage's whole process: session (processes, run dir, tracking) around `run_stage`.
-    `build(cfg, stage_dir) -> Stage`."""
+    `build(cfg, stage_dir) -> Stage`; `run`: see Progress."""
     from megarl.trainers.session import stage_session
 
     with PreemptionSignal() as preemption, stage_session(cfg, name, keep_process_group) as s:
-        final = run_stage(cfg, build(cfg, s.stage_dir), s.stage_dir, s.tracker, preemption)
+        final = run_stage(cfg, build(cfg, s.stage_dir), s.stage_dir, s.tracker, preemption, run)
         if is_rank0():
             shown = {k: v for k, v in final.items() if k.startswith("eval/")} or \
                 {k: v for k, v in final.items() if k.startswith("train/")}
             log.info("%s done: %s | %s", name, _fmt(shown), os.path.join(s.stage_dir, "metrics.jsonl"))
         return final
+
+
+def clock(seconds: float) -> str:
+    """'1:05' (m:ss), or '2:03:10' from an hour on."""
+    s = max(int(seconds), 0)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
 def _fmt(metrics: dict) -> str:

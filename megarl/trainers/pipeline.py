@@ -99,6 +99,49 @@ def _check_shared(configs: dict) -> None:
                                   "every stage must share it (set it in the shared sections)")
 
 
+# A decoded token costs about as much as 8 tokens of a training forward (one small forward per
+# token): the quickstart's GRPO step (~1.35 s) against its SFT step (~0.25 s), quiet CPU.
+DECODE_COST = 8
+
+
+def stage_work(cfg: Config, stage: str) -> tuple[float, float]:
+    """(work per step, work of the stage) in forward-token units (a backward counts 2), for the
+    run's ETA: a stage not yet started is assumed to go at the running stage's pace per unit.
+    RL's rows are prompts x samples, of a prompt (a quarter of its limit: prompts are mostly
+    shorter) and max_new_tokens; its evaluations count too (before step 1 and every interval)."""
+    t, d, r = cfg.train, cfg.data, cfg.rl
+    if stage != "rl":
+        per_step = 3 * d.global_batch_size * d.seq_length * (2 if stage == "rm" else 1)
+        return per_step, per_step * t.steps
+    new, rows = r.max_new_tokens, r.prompts_per_step * r.samples_per_prompt
+    length = new + r.max_prompt_len // 4
+    forwards = 1 + (r.kl_coef > 0) + (r.old_logprobs == "recompute")  # scoring passes before training
+    per_step = rows * (DECODE_COST * new + length * (forwards + 3 * r.ppo_epochs))
+    evals = (1 + t.steps // t.eval_interval) if t.eval_interval else 0
+    return per_step, per_step * t.steps + evals * r.eval_prompts * r.eval_samples * DECODE_COST * new
+
+
+class RunETA:
+    """The pipeline's part of each progress line: `stage i/n, run ETA ~m:ss` for the stages still
+    to run (in order), from the running stage's measured pace and the later stages' work."""
+
+    def __init__(self, configs: dict[str, Config]):
+        self.stages = list(configs)
+        self.work = {s: stage_work(c, s) for s, c in configs.items()}
+
+    def reporter(self, stage: str):
+        from megarl.trainers.loop import clock
+
+        i = self.stages.index(stage)
+        later = sum(self.work[s][1] for s in self.stages[i + 1:])
+
+        def line(done: int, total: int, seconds_per_step: float) -> str:
+            rest = seconds_per_step * (total - done + later / self.work[stage][0])
+            return f"pipeline stage {i + 1}/{len(self.stages)}, run ETA ~{clock(rest)}"
+
+        return line
+
+
 class _Tee:
     """Console output to the terminal and a stage's log file (rank 0)."""
 
@@ -152,9 +195,16 @@ class Pipeline:
         check_stages(self.configs, world_size_from_env(), stages, self.where)
         from megarl.trainers.run_lock import release
 
+        from megarl.runtime.distributed import is_rank0
+
+        todo = [s for s in STAGES if s in stages and self._done(s) is None]
+        eta = RunETA({s: self.configs[s] for s in todo})
+        if todo and is_rank0():
+            steps = ", ".join(f"{s} {self.configs[s].train.steps} steps" for s in todo)
+            print(f"[megarl pipeline] to run: {steps}; run dir {self.run_dir}", flush=True)
         try:  # the first stage's session takes the run dir's lock (trainers/session.py); ours to release
             self._write_resolved()
-            return {s: self._stage(s) for s in STAGES if s in stages}
+            return {s: self._stage(s, eta) for s in STAGES if s in stages}
         finally:
             release(self.run_dir)
 
@@ -188,14 +238,14 @@ class Pipeline:
                     final.update({k: v for k, v in json.loads(line).items() if k != "step"})
         return final
 
-    def _stage(self, stage: str) -> dict:
+    def _stage(self, stage: str, eta: RunETA) -> dict:
         from megarl.utils.notices import quiet_megatron_notices
 
         with quiet_megatron_notices():  # as the CLI: megatron's TE/apex notices are not for users
-            return self._run_stage(stage)
+            return self._run_stage(stage, eta)
 
-    def _run_stage(self, stage: str) -> dict:
-        from megarl.runtime.distributed import is_rank0, teardown, world_size_from_env
+    def _run_stage(self, stage: str, eta: RunETA) -> dict:
+        from megarl.runtime.distributed import is_rank0, teardown
         from megarl.trainers import reward_model, rl, sft
         from megarl.trainers.loop import train_stage
 
@@ -207,7 +257,6 @@ class Pipeline:
             return done
         module = {"sft": sft, "rm": reward_model, "rl": rl}[stage]
         cfg = self.configs[stage]
-        check_stages(self.configs, world_size_from_env(), (stage,), self.where)
         logs = os.path.join(self.run_dir, "logs")
         tee = contextlib.nullcontext()
         if is_rank0():
@@ -215,7 +264,8 @@ class Pipeline:
             tee = _redirect(os.path.join(logs, f"{stage}.log"))
         try:
             with tee:
-                return train_stage(cfg, module.STAGE, module.build_stage, keep_process_group=True)
+                return train_stage(cfg, module.STAGE, module.build_stage, keep_process_group=True,
+                                   run=eta.reporter(stage))
         except BaseException:
             teardown()
             raise

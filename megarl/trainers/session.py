@@ -11,9 +11,11 @@ import os
 import sys
 from dataclasses import dataclass
 
+import torch
+
 
 from megarl.config import Config, config_to_dict, save_config
-from megarl.runtime.distributed import ProcessEnv, barrier, init_distributed, is_rank0, teardown
+from megarl.runtime.distributed import ProcessEnv, barrier, cpu_threads, init_distributed, is_rank0, teardown
 from megarl.trainers import run_lock
 
 log = logging.getLogger("megarl")
@@ -59,10 +61,11 @@ def stage_session(cfg: Config, stage: str, keep_process_group: bool = False):
         if is_rank0():
             os.makedirs(stage_dir, exist_ok=True)
             save_config(cfg, os.path.join(stage_dir, "config.yaml"))
-            log.info("megarl %s: world size %d (tp=%d pp=%d cp=%d dp=%d); model %d layers x %d hidden; "
-                     "%s; resolved config: %s",
+            log.info("megarl %s: world size %d (tp=%d pp=%d cp=%d dp=%d, %d torch threads per rank: %s); "
+                     "model %d layers x %d hidden; %s; resolved config: %s",
                      stage, env.world_size, p.tp, p.pp, p.cp, env.world_size // (p.tp * p.pp * p.cp),
-                     cfg.model.num_layers, cfg.model.hidden_size, _work(cfg, stage), os.path.join(stage_dir, "config.yaml"))
+                     torch.get_num_threads(), cpu_threads()[1], cfg.model.num_layers, cfg.model.hidden_size,
+                     _work(cfg, stage), os.path.join(stage_dir, "config.yaml"))
         barrier()
         t = cfg.tracking
         parent = create_tracker(run_dir, None, backend=t.backend, rank=env.rank, uri=t.uri,
