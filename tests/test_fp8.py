@@ -128,8 +128,14 @@ def test_generation_precision_switches_fp8_off_only_for_bf16_generation():
         raise RuntimeError  # restored on errors too
     assert tc.fp8 == "e4m3"
     for rollout, generating in (("fp8", True), ("bf16", False)):
-        with fp8_map.generation_precision(tc, rollout, generating):
+        with fp8_map.generation_precision(tc, rollout, generating, tokens=16):
             assert tc.fp8 == "e4m3"
+    for tokens, fp8 in ((24, "e4m3"), (12, None), (7, None)):  # TE's FP8 GEMMs: token counts divisible by 8
+        with fp8_map.generation_precision(tc, "fp8", True, tokens):
+            assert tc.fp8 == fp8, tokens
+    tc.fp8_recipe = "mxfp8"  # 32
+    with fp8_map.generation_precision(tc, "fp8", True, tokens=48):
+        assert tc.fp8 is None
 
 
 def _wiring_body(rank, world_size):
@@ -151,8 +157,8 @@ def _wiring_body(rank, world_size):
             gpt = gpt.module
         seen = []
         gpt.decoder.register_forward_pre_hook(lambda m, a, seen=seen, gpt=gpt: seen.append(gpt.config.fp8))
-        MegatronRolloutEngine(role, vocab_size=64, pad_id=0).generate(
-            [[5, 6, 7]], SamplingParams(max_new_tokens=3, greedy=True), seed=0)
+        MegatronRolloutEngine(role, vocab_size=64, pad_id=0).generate(  # FP8-sized steps: an 8-token prefill
+            [list(range(5, 13))], SamplingParams(n=8, max_new_tokens=3), seed=0)  # and 8-row decodes
         generation, scoring = list(seen), []
         seen.clear()
         tokens = torch.randint(1, 64, (2, 8))
@@ -234,6 +240,33 @@ def test_rule(fields, kw, expect):
     assert "\n" not in errs[0]
 
 
+def _batch_errors(overrides, world=1, stage=None):
+    from megarl.config.fp8 import fp8_batch_errors
+
+    cfg = load_config(None, ["train.fp8.format=e4m3", *overrides])
+    return fp8_batch_errors(cfg.train.fp8, cfg.data, cfg.rl, cfg.parallel, world, stage)
+
+
+def test_micro_batch_token_counts():
+    assert _batch_errors(["data.micro_batch_size=4", "data.seq_length=128"]) == []
+    assert _batch_errors(["data.micro_batch_size=3", "data.seq_length=130"]) == [
+        "train.fp8 (delayed) needs micro-batches of a multiple of 8 tokens: data.micro_batch_size x data.seq_length = 390"]
+    assert _batch_errors(["data.micro_batch_size=1", "data.seq_length=96", "parallel.tp=4", "parallel.sequence_parallel=true",
+                          "train.fp8.recipe=mxfp8"]) == [
+        "train.fp8 (mxfp8) needs micro-batches of a multiple of 32 tokens: data.micro_batch_size x data.seq_length / "
+        "parallel.tp = 24"]
+    rl = ["rl.prompts_per_step=8", "rl.samples_per_prompt=4", "rl.mini_batches=2"]  # 16 rows per mini-batch
+    assert _batch_errors([*rl, "rl.micro_batch_size=8"], stage="rl") == []
+    assert _batch_errors([*rl, "rl.micro_batch_size=4"], stage="rl") == [
+        "train.fp8 (delayed) needs rl.micro_batch_size (4) to be a multiple of 8 that divides the rows per mini-batch "
+        "and data-parallel rank (16)"]
+    assert _batch_errors([*rl, "rl.micro_batch_size=8"], world=4, stage="rl")[0].endswith("rank (4)")  # DP 4
+    assert _batch_errors([*rl, "rl.micro_batch_size=8", "rl.max_tokens_per_micro_batch=4096"], stage="rl") == [
+        "train.fp8 needs fixed RL micro-batches (TE's FP8 GEMMs take token counts divisible by 8): set "
+        "rl.max_tokens_per_micro_batch=null and rl.micro_batch_size"]
+    assert _batch_errors(["train.fp8.format=null", "data.micro_batch_size=3", "data.seq_length=130"]) == []
+
+
 @pytest.mark.parametrize("recipe", sorted(TE_RECIPES))
 def test_te_version_per_recipe(recipe):
     floor, cls = TE_RECIPES[recipe]
@@ -294,6 +327,21 @@ def test_validate_prints_the_memory_estimate_for_a_gpu_target(capsys):
 
 
 # ------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_te_recipe_is_the_one_megatron_core_builds(recipe):
+    """With TE installed: models/fp8.te_recipe and megatron-core's get_fp8_recipe (what the layers
+    run with) give the same recipe class and settings."""
+    from megatron.core.fp8_utils import get_fp8_recipe
+
+    f = FP8Config(format="hybrid", recipe=recipe, amax_history_len=64, amax_compute_algo="max", margin=1)
+    ours, theirs = fp8_map.te_recipe(f), get_fp8_recipe(_tc(f))
+    assert isinstance(theirs, type(ours)) and ours.fp8_format == theirs.fp8_format
+    if recipe == "delayed":
+        assert (ours.margin, ours.amax_history_len, ours.amax_compute_algo) == \
+            (theirs.margin, theirs.amax_history_len, theirs.amax_compute_algo)
 
 GPU_MODEL = ["model.num_layers=4", "model.hidden_size=256", "model.ffn_hidden_size=704", "model.num_attention_heads=4",
              "model.num_kv_heads=2", "model.transformer_impl=transformer_engine", "data.micro_batch_size=16",
@@ -369,7 +417,8 @@ def test_rl_step_in_fp8_with_bf16_generation(tmp_path):
     megarl(["rl", "--config", "configs/tiny_grpo.yaml", f"train.run_dir={run}", *GPU_MODEL[:6], "train.precision=bf16",
             "train.fp8.format=hybrid", "train.fp8.recipe=tensorwise", "roles.actor.init_from=random",
             "train.steps=2", "train.eval_interval=0", "rl.eval_before_train=false", "tracking.backend=none",
-            "rl.prompts_per_step=4", "rl.samples_per_prompt=4", "rl.max_new_tokens=16"])
+            "rl.prompts_per_step=4", "rl.samples_per_prompt=4", "rl.max_new_tokens=16", "rl.micro_batch_size=8",
+            "rl.kl_coef=0.01"])  # 16 rows in micro-batches of 8 (FP8's token counts); a reference role too
     steps = [m for m in metrics(run / "rl") if "train/actor/loss" in m or "reward/mean" in m]
     assert len(steps) == 2
     assert all(math.isfinite(v) for m in steps for v in m.values() if isinstance(v, float))

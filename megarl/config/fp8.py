@@ -11,7 +11,7 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import Optional
 
-from megarl.config.schema import FP8Config, ModelConfig, ParallelConfig
+from megarl.config.schema import DataConfig, FP8Config, ModelConfig, ParallelConfig, RLConfig
 
 TE_HINT = "install Transformer Engine: pip install 'megarl[gpu]' (CUDA machines only)"
 HOPPER, BLACKWELL = (9, 0), (10, 0)
@@ -84,8 +84,13 @@ def version_at_least(installed: str, floor: str) -> bool:
 
 
 def fp8_align(recipe: str) -> int:
-    """FP8 GEMM dimensions must be multiples of this (megatron-core's get_fp8_align_size)."""
+    """FP8 GEMM feature dimensions must be multiples of this (megatron-core's get_fp8_align_size)."""
     return 32 if recipe == "mxfp8" else 16
+
+
+def fp8_rows(recipe: str) -> int:
+    """FP8 GEMM token counts (all but the last dimension) must be multiples of this (TE)."""
+    return 32 if recipe == "mxfp8" else 8
 
 
 def fp8_errors(f: FP8Config, models: dict[str, ModelConfig], parallel: ParallelConfig, precisions: dict[str, str],
@@ -135,6 +140,32 @@ def fp8_errors(f: FP8Config, models: dict[str, ModelConfig], parallel: ParallelC
     elif f.recipe == "mxfp8" and device.capability is not None and device.capability < BLACKWELL:
         errs.append(f"train.fp8.recipe=mxfp8 needs compute capability >= 10.0 (Blackwell); GPU 0 is "
                     f"{device.describe()}: use recipe tensorwise, blockwise or delayed")
+    return errs
+
+
+def fp8_batch_errors(f: FP8Config, data: DataConfig, rl: RLConfig, parallel: ParallelConfig, dp: int,
+                     stage: Optional[str]) -> list[str]:
+    """TE's FP8 GEMMs take inputs whose token count (the product of all but the last dimension) is
+    a multiple of 8 (mxfp8: 32): SFT/RM micro-batches are [micro_batch_size, seq_length] (a
+    sequence-parallel rank holds seq_length / tp of them); RL's are rl.micro_batch_size rows of any
+    length, so their row count must be the multiple, every micro-batch full, and not chosen by a
+    token budget. Generation's decode steps are handled in the model (models/fp8.py)."""
+    if f.format is None:
+        return []
+    rows, errs = fp8_rows(f.recipe), []
+    if stage == "rl":
+        per_rank = rl.prompts_per_step // max(dp, 1) * rl.samples_per_prompt // max(rl.mini_batches, 1)
+        if rl.max_tokens_per_micro_batch is not None:
+            errs.append(f"train.fp8 needs fixed RL micro-batches (TE's FP8 GEMMs take token counts divisible by {rows}): "
+                        "set rl.max_tokens_per_micro_batch=null and rl.micro_batch_size")
+        if rl.micro_batch_size % rows or per_rank % rl.micro_batch_size:
+            errs.append(f"train.fp8 ({f.recipe}) needs rl.micro_batch_size ({rl.micro_batch_size}) to be a multiple of "
+                        f"{rows} that divides the rows per mini-batch and data-parallel rank ({per_rank})")
+    else:
+        tokens = data.micro_batch_size * data.seq_length // (parallel.tp if parallel.sequence_parallel else 1)
+        if tokens % rows:
+            errs.append(f"train.fp8 ({f.recipe}) needs micro-batches of a multiple of {rows} tokens: data.micro_batch_size"
+                        f" x data.seq_length{' / parallel.tp' if parallel.sequence_parallel else ''} = {tokens}")
     return errs
 
 

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from megarl.config.fp8 import TE_HINT, DeviceInfo, detect_device, fp8_errors
+from megarl.config.fp8 import TE_HINT, DeviceInfo, detect_device, fp8_batch_errors, fp8_errors
 from megarl.config.loader import ConfigError
 from megarl.config.schema import Config, ModelConfig
 
@@ -160,7 +160,7 @@ def _algorithm_rules(cfg: Config) -> list[str]:
     return errs
 
 
-def _fp8_rules(cfg: Config, cuda: bool, device: DeviceInfo | None) -> list[str]:
+def _fp8_rules(cfg: Config, cuda: bool, device: DeviceInfo | None, world_size: int, stage: str | None) -> list[str]:
     """train.fp8's rules (megarl.config.fp8) for every model FP8 applies to: the policy's and each
     role's own; the device is looked up only when FP8 is on."""
     f = cfg.train.fp8
@@ -176,7 +176,8 @@ def _fp8_rules(cfg: Config, cuda: bool, device: DeviceInfo | None) -> list[str]:
         if r.precision is not None:
             precisions[f"roles.{name}.precision"] = r.precision
     return fp8_errors(f, models, cfg.parallel, precisions, cfg.parallel.distributed_optimizer,
-                      device or DeviceInfo(cuda))
+                      device or DeviceInfo(cuda)) + fp8_batch_errors(f, cfg.data, cfg.rl, cfg.parallel,
+                                                                     data_parallel_size(cfg, world_size), stage)
 
 
 TOOL_BUILTINS = ("calculator", "python")  # megarl/rollout/tools.py's BUILTIN_TOOLS (config imports nothing of megarl)
@@ -256,7 +257,7 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: 
 
     if t.precision == "fp16" and not cuda:
         errs.append("train.precision=fp16 needs a CUDA GPU; use fp32 or bf16 on CPU")
-    errs += _fp8_rules(cfg, cuda, device)
+    errs += _fp8_rules(cfg, cuda, device, world_size, stage)
     if t.eval_interval < 0:
         errs.append(f"train.eval_interval must be >= 0, got {t.eval_interval}")
 

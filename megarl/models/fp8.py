@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from typing import Optional
 
+from megarl.config.fp8 import fp8_rows
 from megarl.config.schema import FP8Config
 
 # TE recipe class per megarl recipe (transformer_engine.common.recipe)
@@ -82,8 +83,12 @@ def fp8_off(config):
         config.fp8 = saved
 
 
-def generation_precision(config, rollout: str, generating: bool):
-    """The context a forward runs in: BF16 GEMMs for generation unless train.fp8.rollout=fp8."""
-    if generating and rollout == "bf16" and config.fp8 is not None:
+def generation_precision(config, rollout: str, generating: bool, tokens: int = 0):
+    """The context a forward runs in: BF16 GEMMs for generation unless train.fp8.rollout=fp8, and
+    then also for a step whose token count (rows x new tokens: the rollout drops finished rows)
+    TE's FP8 GEMMs cannot take (not a multiple of 8, mxfp8: 32)."""
+    if not (generating and config.fp8 is not None):
+        return contextlib.nullcontext()
+    if rollout == "bf16" or tokens % fp8_rows(config.fp8_recipe):
         return fp8_off(config)
     return contextlib.nullcontext()

@@ -174,7 +174,8 @@ def gpt_model_class():
             self.output_from, self.return_hidden = int(output_from), bool(return_hidden)
             generating = kw.get("inference_context") is not None or kw.get("inference_params") is not None
             try:
-                with fp8_map.generation_precision(self.config, self.fp8_rollout, generating):
+                tokens = args[0].numel() if args and torch.is_tensor(args[0]) else 0  # input ids [b, s]
+                with fp8_map.generation_precision(self.config, self.fp8_rollout, generating, tokens):
                     return super().forward(*args, **kw)
             finally:
                 self.output_from, self.return_hidden = 0, False
