@@ -89,8 +89,6 @@ def _rl_rules(cfg: Config, world_size: int, cuda: bool) -> list[str]:
         errs.append(f"rl.mini_batches ({r.mini_batches}) must divide the rows per data-parallel rank "
                     f"(prompts_per_step / dp x samples_per_prompt = {r.prompts_per_step // dp * r.samples_per_prompt})")
     errs += _algorithm_rules(cfg)
-    if errs:
-        return errs
     longest = r.max_prompt_len + r.max_new_tokens
     for name in ("actor", "reference", "critic", "reward"):
         m = getattr(cfg.roles, name).model or cfg.model

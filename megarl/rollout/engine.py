@@ -214,7 +214,11 @@ class MegatronRolloutEngine(RolloutEngine):
         rt = _RowTools(B, T) if self.tools is not None else None
         scan_from = rt.scan_from if rt is not None else [0] * B  # response index after the last observation
 
-        ctx = StaticInferenceContext(B, S)
+        # One prefill per prompt: the n samples of a prompt are consecutive rows (the order is
+        # sorted stably by length), so each run of equal rows is prefilled once and its KV entries
+        # are copied to the run's rows before the first token is sampled (per row, as before).
+        first, expand = _prompt_runs(prompts)  # [U] prefilled rows, [B] -> index of the row's run
+        ctx = StaticInferenceContext(len(first), S)
         ctx.materialize_only_last_token_logits = True
         active = torch.arange(B)  # batch row of each cache row (shrinks as rows finish)
         try:
@@ -223,11 +227,18 @@ class MegatronRolloutEngine(RolloutEngine):
                 t0 = time.perf_counter()
                 positions = (torch.arange(offset, offset + step_tokens.shape[1], device=dev)[None, :]
                              - pads[:, None]).clamp_(min=0)  # [A, s] (RoPE in static inference uses the offset)
-                ids, lps = self._step(step_tokens, positions, mask, ctx, params, seed, sample_ids[active], t)  # [A]
+                if t == 0 and len(first) < B:
+                    u = first.to(dev)
+                    ids, lps = self._step(step_tokens[u], positions[u], mask[u], ctx, params, seed, sample_ids, t,
+                                          expand=expand)  # [B]
+                    _compact_cache(ctx, expand.to(dev))  # [U] -> [B] cache rows: a prompt's keys to its samples
+                else:
+                    ids, lps = self._step(step_tokens, positions, mask, ctx, params, seed, sample_ids[active], t)  # [A]
                 offset += step_tokens.shape[1]
                 ctx.increment_sequence_len_offset(step_tokens.shape[1])
                 if t == 0:
                     stats["kv_cache_bytes"] = max(stats["kv_cache_bytes"], _cache_bytes(ctx))
+                    stats["prefill_rows"] = stats.get("prefill_rows", 0) + len(first)
                     stats["kv_cache_tokens"] = max(stats["kv_cache_tokens"], B * S)
                 stats["prefill_s" if t == 0 else "decode_s"] += time.perf_counter() - t0
                 stats["forwards"] += 1
@@ -340,30 +351,41 @@ class MegatronRolloutEngine(RolloutEngine):
         ids, lps = sample_tokens(filtered, params, uniforms, with_logprobs=params.logprobs)
         return ids, (lps if lps is not None else torch.zeros(ids.shape, dtype=torch.float32, device=ids.device))
 
-    def _step(self, tokens, positions, mask, ctx, params, seed, sample_ids, step):
-        """One forward (prefill or decode) and the sampled ids [B] / log-probs [B] on every rank (CPU)."""
+    def _step(self, tokens, positions, mask, ctx, params, seed, sample_ids, step, expand=None):
+        """One forward (prefill or decode) and the sampled ids [B] / log-probs [B] on every rank (CPU).
+        expand: [B] the forward row each sampled row reads (a prompt prefilled once for its
+        samples); None: row i reads forward row i."""
         pp = self.config.pipeline_model_parallel_size
         if pp == 1:
             with _cpu_shim_suspended():
                 logits = self.model(tokens, positions, mask, inference_context=ctx, runtime_gather_output=True)
+                if expand is not None:
+                    logits = logits[expand.to(logits.device)]
                 ids, lps = self._sample(logits, params, seed, sample_ids, step)
             return ids.cpu(), lps.float().cpu()
-        return self._pipeline_step(tokens, positions, mask, ctx, params, seed, sample_ids, step)
+        return self._pipeline_step(tokens, positions, mask, ctx, params, seed, sample_ids, step, expand)
 
-    def _pipeline_step(self, tokens, positions, mask, ctx, params, seed, sample_ids, step):
+    def _pipeline_step(self, tokens, positions, mask, ctx, params, seed, sample_ids, step, expand=None):
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        B, s = tokens.shape
-        m = max(d for d in range(1, min(self.pp_microbatches, B) + 1) if B % d == 0)  # equal shapes for p2p
-        mb = B // m
+        U, s = tokens.shape
+        if expand is None:
+            expand = torch.arange(U)
+        B = len(expand)
+        m = max(d for d in range(1, min(self.pp_microbatches, U) + 1) if U % d == 0)  # equal shapes for p2p
+        mb = U // m
+
+        def sample(k, o):  # the sampled rows reading forward rows k*mb..(k+1)*mb (expand is sorted)
+            sel = (expand >= k * mb) & (expand < (k + 1) * mb)
+            return self._sample(o[(expand[sel] - k * mb).to(o.device)], params, seed, sample_ids[sel], step)
 
         def forward_step(data_iterator, model):
             k = next(data_iterator)
             rows = slice(k * mb, (k + 1) * mb)
             ctx.batch_size_offset = k * mb  # micro-batches share one cache
             out = model(tokens[rows], positions[rows], mask[rows], inference_context=ctx, runtime_gather_output=True)
-            return out, lambda o, non_loss_data=True: self._sample(o, params, seed, sample_ids[rows], step)
+            return out, lambda o, non_loss_data=True: sample(k, o)
 
         try:
             results = get_forward_backward_func()(
@@ -464,6 +486,16 @@ def _cpu_shim_suspended():
     from megarl.runtime import cpu_compat
 
     return torch._C.DisableTorchFunction() if cpu_compat.is_enabled() else contextlib.nullcontext()
+
+
+def _prompt_runs(prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first row of each run of equal consecutive prompts [U], run index of every row [B])."""
+    first, expand = [], []
+    for i, p in enumerate(prompts):
+        if not first or prompts[first[-1]] != p:
+            first.append(i)
+        expand.append(len(first) - 1)
+    return torch.tensor(first, dtype=torch.long), torch.tensor(expand, dtype=torch.long)
 
 
 def _compact_cache(ctx, keep):
