@@ -120,7 +120,7 @@ def test_an_rl_step_with_tools_is_the_same_at_every_layout(tmp_path, monkeypatch
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
     ref = run_distributed(_rl_step_body, 1, [], tmp_path / "one")[0]
     assert ref[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6)
-    assert ref[0]["tools/calls_per_sample"] > 0 and ref[0]["tools/observation_tokens_per_sample"] > 0, ref[0]
+    assert ref[0]["tools/tool_calls_per_sample"] > 0 and ref[0]["tools/observation_tokens"] > 0, ref[0]
     for name, extra, world in (("tp2", ["parallel.tp=2"], 2), ("pp2", ["parallel.pp=2"], 2), ("dp2", [], 2),
                                ("tp2pp2", ["parallel.tp=2", "parallel.pp=2"], 4)):
         got = run_distributed(_rl_step_body, world, extra, tmp_path / name)[0]

@@ -85,20 +85,71 @@ TOOL_METRICS = ("tool_calls_per_sample", "tool_errors_per_sample", "tool_call_su
                 "tool_call_limit_rows")
 
 
+def rollout_engine(cfg: Config, actor, tok):
+    """The rollout engine on `actor` that RL and `megarl eval` sample with, with rl.tools."""
+    from megarl.rollout.engine import MegatronRolloutEngine
+    from megarl.rollout.tools import make_toolbox
+
+    r = cfg.rl
+    tools = make_toolbox(r.tools, max_calls=r.max_tool_calls, timeout_s=r.tool_timeout_s,
+                         max_output_chars=r.tool_max_output_chars, python=r.python_tool)
+    return MegatronRolloutEngine(actor, vocab_size=cfg.model.vocab_size, pad_id=tok.pad_id, decode=tok.decode,
+                                 encode=tok.encode, tools=tools, max_batch_size=r.rollout_batch_size)
+
+
 def tool_metric_pairs(rollout) -> dict:
     """{metric: (sum, count)} of a Rollout's tool stats (megarl.rollout.engine.Rollout), for dp_means."""
     n, calls, errors = len(rollout.tool_calls), rollout.tool_calls.sum().item(), rollout.tool_errors.sum().item()
     return {"tool_calls_per_sample": (calls, n), "tool_errors_per_sample": (errors, n),
             "tool_call_success": (calls - errors, calls), "observation_tokens": (rollout.observation_tokens.sum().item(), n),
-            "tool_call_limit_rows": (rollout.hit_call_limit.sum().item(), n)}
+            "tool_call_limit_rows": (rollout.hit_call_limit.sum().item(), n),
+            "tool_timeouts_per_sample": (rollout.tool_timeouts.sum().item(), n)}
+
+
+EVAL_STAGES = ("sft", "rl")  # stage names `--checkpoint` accepts: their latest checkpoint
+
+
+def eval_source(cfg: Config, checkpoint: str | None, hf: str | None) -> str:
+    """The directory `megarl eval` loads: --hf's, or --checkpoint's (a stage name: its latest
+    checkpoint in train.run_dir; default sft). A directory of the wrong kind is named for what
+    it is not, in one line, before anything is written."""
+    from megarl.checkpoint.distributed import LATEST, MANIFEST
+
+    def is_checkpoint(d):
+        return os.path.isfile(os.path.join(d, MANIFEST)) or os.path.isfile(os.path.join(d, LATEST))
+
+    if hf and checkpoint:
+        raise ConfigError("megarl eval: give --checkpoint or --hf, not both")
+    flag, path = ("--hf", hf) if hf else ("--checkpoint", checkpoint or "sft")
+    if not hf and path in EVAL_STAGES:
+        root = os.path.join(os.path.abspath(cfg.train.run_dir), path, "checkpoints")
+        if not os.path.isfile(os.path.join(root, LATEST)):
+            raise ConfigError(f"--checkpoint {path}: no checkpoint at {root}; run `megarl {path}` with the same "
+                              "train.run_dir first, or give a checkpoint directory (or --hf DIR)")
+        return root
+    if not os.path.exists(path):
+        raise ConfigError(f"{flag} {path}: does not exist" + ("" if hf else f" (nor is it a stage name: {', '.join(EVAL_STAGES)})"))
+    if not os.path.isdir(path):
+        raise ConfigError(f"{flag} {path}: is a file, not a {'model' if hf else 'checkpoint'} directory")
+    if hf and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"--hf {path}: not a Hugging Face model directory (no config.json)"
+                          + ("; it is a megarl checkpoint: use --checkpoint" if is_checkpoint(path) else ""))
+    if not hf and not is_checkpoint(path):
+        hint = ("; it is a Hugging Face model directory: use --hf" if os.path.isfile(os.path.join(path, "config.json"))
+                else f"; it is a stage directory: use {os.path.join(path, 'checkpoints')}"
+                if os.path.isfile(os.path.join(path, "checkpoints", LATEST)) else "")
+        raise ConfigError(f"--checkpoint {path}: not a megarl checkpoint (no {MANIFEST}: not a step directory; "
+                          f"no '{LATEST}': not a checkpoint root){hint}")
+    return path
 
 
 def run_eval(cfg: Config, checkpoint: str | None = None, hf: str | None = None) -> dict:
     """`megarl eval`: sample the held-out prompts with a checkpoint's (or HF model's) LM; writes
-    <run_dir>/eval/results.json and an MLflow run with the sample table."""
+    <run_dir>/eval/results.json and a new MLflow run (each eval its own) with the sample table,
+    its metrics at the evaluated checkpoint's step."""
     from megarl.rewards import load_reward_fn
     from megarl.roles.role import Role
-    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+    from megarl.rollout.engine import SamplingParams
     from megarl.trainers import data_setup
     from megarl.trainers.common import mix_seed
     from megarl.trainers.weights import load_role_weights
@@ -106,9 +157,7 @@ def run_eval(cfg: Config, checkpoint: str | None = None, hf: str | None = None) 
     from megarl.utils.atomic import write_atomic
 
     r = cfg.rl
-    source = hf or checkpoint or "sft"
-    if hf and checkpoint:
-        raise ConfigError("megarl eval: give --checkpoint or --hf, not both")
+    source = eval_source(cfg, checkpoint, hf)
     with stage_session(cfg, STAGE) as s:
         tok = data_setup.tokenizer(cfg)
         paths = data_setup.stage_paths(cfg, "eval")
@@ -117,20 +166,26 @@ def run_eval(cfg: Config, checkpoint: str | None = None, hf: str | None = None) 
         ds = data_setup.prompt_dataset(cfg, paths["eval"])
         role = Role("actor", cfg.model, cfg.parallel, head="lm", precision=cfg.train.precision, seed=cfg.train.seed)
         src = load_role_weights(cfg, role, source, "--hf" if hf else "--checkpoint")
-        engine = MegatronRolloutEngine(role, vocab_size=cfg.model.vocab_size, pad_id=tok.pad_id, decode=tok.decode,
-                                       max_batch_size=r.rollout_batch_size)
+        engine = rollout_engine(cfg, role, tok)
         params = SamplingParams(n=r.eval_samples, temperature=r.eval_temperature, top_k=r.top_k, top_p=r.top_p,
                                 max_new_tokens=r.max_new_tokens, stop_ids=tuple(tok.stop_ids))
         metrics, rows = pass_at_k_eval(engine, ds, tok, n_prompts=r.eval_prompts, k=r.eval_samples, params=params,
                                        seed=mix_seed(cfg.train.seed, 99991), reward_fn=load_reward_fn(r.eval_reward_fn))
         metrics = {f"eval/{k}": v for k, v in metrics.items()}
-        s.tracker.log_metrics(metrics, step=0)
+        name = os.path.basename(os.path.normpath(src))
+        step = int(name.split("_")[1]) if name.startswith("step_") and name.split("_")[1].isdigit() else 0
+        n_prompts = min(r.eval_prompts, len(ds))
+        s.tracker.set_tags({"megarl.eval_source": src, "megarl.eval_prompts": n_prompts,
+                            "megarl.eval_samples": r.eval_samples})
+        s.tracker.log_metrics(metrics, step=step)
         if rows:
-            s.tracker.log_table(rows, name="eval_samples", step=0)
+            s.tracker.log_table(rows, name="eval_samples", step=step)
         if is_rank0():
-            out = {"source": src, "prompts_file": paths["eval"], "n_prompts": min(r.eval_prompts, len(ds)),
+            out = {"source": src, "step": step, "prompts_file": paths["eval"], "n_prompts": n_prompts,
                    "k": r.eval_samples, "temperature": r.eval_temperature, **metrics, "samples": rows}
             write_atomic(os.path.join(s.stage_dir, "results.json"), json.dumps(out, indent=1))
-            log.info("eval of %s: %s (%s)", src, " | ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in metrics.items()),
+            log.info("eval of %s on %d prompts x %d samples (temperature %g, %s): %s (%s)", src, n_prompts,
+                     r.eval_samples, r.eval_temperature, paths["eval"],
+                     " | ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in metrics.items()),
                      os.path.join(s.stage_dir, "results.json"))
         return metrics

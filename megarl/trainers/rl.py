@@ -30,10 +30,11 @@ from megarl.config.schema import role_config
 from megarl.models.gpt import mask_padded_vocab
 from megarl.roles.phases import PhaseClock, PhaseScheduler
 from megarl.roles.role import Role
-from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+from megarl.rollout.engine import SamplingParams
 from megarl.runtime.distributed import dp_gather_objects, dp_group, dp_max, dp_means
 from megarl.trainers import data_setup
 from megarl.trainers.common import mix_seed, padding_waste, plan_microbatches
+from megarl.trainers.evaluate import pass_at_k_eval, rollout_engine, tool_metric_pairs
 from megarl.trainers.loop import Stage, train_stage
 from megarl.trainers.stops import StageStopped
 from megarl.trainers.weights import build_roles
@@ -173,7 +174,6 @@ class RLStage(Stage):
 
         from megarl.data import DataIterator
         from megarl.rewards import load_reward_fn
-        from megarl.rollout.tools import make_toolbox
 
         self.cfg, r = cfg, cfg.rl
         self.name = STAGE
@@ -188,11 +188,7 @@ class RLStage(Stage):
         self.all_roles = build_roles(cfg)
         self.roles = {n: role for n, role in self.all_roles.items() if role.trained}  # checkpointed
         self.actor = self.all_roles["actor"]
-        tools = make_toolbox(r.tools, max_calls=r.max_tool_calls, timeout_s=r.tool_timeout_s,
-                             max_output_chars=r.tool_max_output_chars, python=r.python_tool)
-        self.engine = MegatronRolloutEngine(self.actor, vocab_size=cfg.model.vocab_size, pad_id=self.tok.pad_id,
-                                            decode=self.tok.decode, encode=self.tok.encode, tools=tools,
-                                            max_batch_size=r.rollout_batch_size)
+        self.engine = rollout_engine(cfg, self.actor, self.tok)
         self.reward_fn = load_reward_fn(r.reward_fn) if r.reward_fn else None
         self.eval_reward_fn = load_reward_fn(r.eval_reward_fn)
         if r.kl_target is not None:
@@ -271,8 +267,9 @@ class RLStage(Stage):
                 rollout = self.engine.generate(batch["prompt_ids"], params, seed=seed,
                                                sample_offset=self.dp_rank * rows_per_rank)
             generated_tokens += float(rollout.response_lens.sum()) * self.dp_size
-            if self.engine.tools is not None:
-                _tool_metrics(rollout, reward_pairs)
+            if self.engine.tools is not None:  # calls, failures, observation tokens per sample
+                for name, (total, count) in tool_metric_pairs(rollout).items():
+                    _add(reward_pairs, f"tools/{name}", total, count)
             exp = experience_from_rollout(rollout, self.tok.pad_id)
             exp.scores = self._rewards(exp, batch, rollout, clock, reward_pairs)
             parts.append(exp)
@@ -510,8 +507,6 @@ class RLStage(Stage):
     # -- evaluation and state ---------------------------------------------------------------------
 
     def evaluate(self, step: int):
-        from megarl.trainers.evaluate import pass_at_k_eval
-
         r = self.cfg.rl
         self.phases.enter("generate")
         return pass_at_k_eval(self.engine, self.eval_ds, self.tok, n_prompts=r.eval_prompts, k=r.eval_samples,
@@ -535,19 +530,6 @@ class RLStage(Stage):
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
         self.kl_over_ceiling = state["kl_over_ceiling"]
-
-
-def _tool_metrics(rollout, pairs: dict) -> None:
-    """Tool use of one round's samples, as (sum, count) pairs: calls, failed calls, timeouts and
-    observation tokens per sample, the share of samples ended by the call limit, and the share
-    of calls that succeeded."""
-    n = rollout.tokens.shape[0]
-    _add(pairs, "tools/calls_per_sample", rollout.tool_calls.sum(), n)
-    _add(pairs, "tools/errors_per_sample", rollout.tool_errors.sum(), n)
-    _add(pairs, "tools/timeouts_per_sample", rollout.tool_timeouts.sum(), n)
-    _add(pairs, "tools/observation_tokens_per_sample", rollout.observation_tokens.sum(), n)
-    _add(pairs, "tools/call_limit_fraction", rollout.hit_call_limit.sum(), n)
-    _add(pairs, "tools/success_rate", (rollout.tool_calls - rollout.tool_errors).sum(), int(rollout.tool_calls.sum()))
 
 
 def _add(pairs: dict, name: str, total, count: int) -> None:
