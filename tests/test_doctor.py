@@ -11,7 +11,7 @@ import json
 import pytest
 
 from megarl.cli import doctor
-from megarl.config.fp8 import TARGETS, DeviceInfo
+from megarl.config.fp8 import TARGETS
 
 H100 = dataclasses.replace(TARGETS["h100"], te_version="2.10.0")
 GPU_ARGS = argparse.Namespace(gpu=True, quick=False, tests=None, hbm_tbps=None, json=None)

@@ -359,9 +359,10 @@ def _sft(run_dir, *extra):
 
 @pytest.mark.gpu
 def test_fp8_sft_loss_curve_tracks_bf16_over_50_steps(tmp_path):
-    """Tolerance: every step's loss within 5% (relative) of BF16's, the mean of the last 10 within 2%:
-    FP8 rounding (hybrid, delayed scaling) perturbs a 4-layer model's loss by well under that, while
-    a broken FP8 path (no scaling, wrong format) diverges by far more within 50 steps."""
+    """Tolerance: every step's loss within 10% (relative) of BF16's, the mean of the last 10 steps
+    within 3%: FP8 rounding (hybrid, delayed scaling) of a 4-layer model moves single steps by a few
+    percent at most and the trend by less, while a broken FP8 path (no or stale scaling, a wrong
+    format) ends far from BF16 within 50 steps."""
     from megarl_run import train_losses
 
     _sft(tmp_path / "bf16", "train.steps=50")
@@ -370,8 +371,8 @@ def test_fp8_sft_loss_curve_tracks_bf16_over_50_steps(tmp_path):
     assert len(bf16) == len(fp8) == 50 and all(math.isfinite(x) for x in fp8)
     assert bf16[-1] < 0.7 * bf16[0]  # both learn
     for step, (a, b) in enumerate(zip(bf16, fp8), 1):
-        assert abs(b - a) <= 0.05 * a, (step, a, b)
-    assert abs(sum(fp8[-10:]) - sum(bf16[-10:])) <= 0.02 * sum(bf16[-10:])
+        assert abs(b - a) <= 0.10 * a, (step, a, b)
+    assert abs(sum(fp8[-10:]) - sum(bf16[-10:])) <= 0.03 * sum(bf16[-10:])
 
 
 def _rl_precision_body(rank, world_size):

@@ -68,7 +68,7 @@ QUICK_TESTS = ["tests/test_ops_logprobs.py", "tests/test_ops_gae.py", "tests/tes
 @dataclass(frozen=True)
 class Component:
     name: str
-    dists: tuple  # distribution names, first found wins (or a callable's key, see VERSION_PROBES)
+    dists: tuple  # probe keys, first found wins: distribution names, or python, cuda, nccl, driver
     required: bool
     low: Optional[str] = None  # supported: low <= version < high
     high: Optional[str] = None
