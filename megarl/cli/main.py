@@ -206,7 +206,8 @@ def run(args) -> int:
             _validate_pipeline(args)
         else:  # the memory estimate; then data, tokenizer, starting checkpoint: what a run would hit first
             cfg = _load(args)
-            print("\n".join(_memory_lines(cfg, args)), flush=True)
+            for line in _memory_lines(cfg, args):
+                print(line, flush=True)
             check_preflight(cfg, args.stage)
         source = "--world-size" if args.world_size is not None else "$WORLD_SIZE or 1"
         print(f"{args.config}: valid for world size {_world(args)} ({source})")
