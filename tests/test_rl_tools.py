@@ -131,3 +131,17 @@ def test_an_rl_step_with_tools_is_the_same_at_every_layout(tmp_path, monkeypatch
                     continue
                 tol = dict(abs=2 / 40) if "clip_fraction" in k else dict(rel=1e-5, abs=1e-6)
                 assert a[k] == pytest.approx(b[k], **tol), (name, k, a[k], b[k])
+
+
+def test_tool_recipes_validate_and_share_their_task():
+    """The tool task's SFT and GRPO recipes write and read the same synthetic task (a run dir
+    holds one), and the recipes pass every rule (the 8B one at 8 GPUs)."""
+    from megarl.config import check_config, load_config
+
+    sft, rl = load_config("configs/tiny_sft_tools.yaml"), load_config("configs/tiny_grpo_tools.yaml")
+    assert sft.data.synthetic == rl.data.synthetic and sft.data.seq_length == rl.data.seq_length
+    assert rl.data.synthetic.calculator > 0 and "*" in rl.data.synthetic.ops and rl.rl.tools == ["calculator"]
+    assert check_config(sft, 1) == [] and check_config(rl, 1, stage="rl") == []
+    big = load_config("configs/llama31_8b_gsm8k_tools.yaml")
+    assert big.rl.tools == ["calculator"] and big.roles.actor.init_from == "sft"
+    assert check_config(big, 8, cuda=True, stage="rl") == []
