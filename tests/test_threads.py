@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from megarl.runtime.distributed import cpu_threads, local_ranks
 
 
@@ -32,3 +34,21 @@ def test_a_stage_process_runs_the_chosen_threads():
     assert out.returncode == 0, out.stderr[-2000:]
     got, chosen = map(int, out.stdout.split()[-2:])
     assert got == chosen
+
+
+# The first SFT losses of configs/tiny_sft.yaml at one thread (torch 2.13.0 CPU). A run at one
+# thread is bit-reproducible: all 600 losses agreed between commits 509c93b and a45a861, with and
+# without glibc's hugetlb malloc (docs/benchmarks.md, "Reproducibility"). The tolerance allows
+# another CPU's kernels (AVX2 vs AVX-512), not another recipe, data or initialisation.
+TINY_SFT_FIRST_LOSSES = [5.552021621196366, 5.546363630144484, 5.177226807111031, 4.881944418853184,
+                         4.735785867081208]
+
+
+def test_tiny_sft_first_losses_are_pinned(tmp_path):
+    from megarl_run import env, megarl, metrics
+
+    megarl(["sft", "--config", "configs/tiny_sft.yaml", f"train.run_dir={tmp_path}", "train.steps=5",
+            "lr_schedule.decay_steps=600", "train.eval_interval=0", "tracking.backend=none", "train.log_interval=1"])
+    assert env()["OMP_NUM_THREADS"] == "1"
+    losses = [m["train/loss"] for m in metrics(tmp_path / "sft")]
+    assert losses == pytest.approx(TINY_SFT_FIRST_LOSSES, rel=1e-5, abs=0), losses
