@@ -44,7 +44,8 @@ def test_pipeline_runs_three_stages_skips_finished_ones_and_resumes_rl_bit_exact
         assert (full / d).is_dir(), d
     for log in ("sft.log", "rm.log", "rl.log", "pipeline.yaml"):
         assert (full / "logs" / log).stat().st_size > 0, log
-    assert "rl step 3/3" in (full / "logs" / "rl.log").read_text()
+    assert "rl step 3/3 (100%, ETA 0:00; pipeline stage 3/3, run ETA ~0:00)" in (full / "logs" / "rl.log").read_text()
+    assert "; pipeline stage 1/3, run ETA ~" in (full / "logs" / "sft.log").read_text()
     rl_metrics = metrics(full / "rl")
     steps = [m for m in rl_metrics if "actor/loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3] and "critic/loss" in steps[0]
