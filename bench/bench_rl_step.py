@@ -4,14 +4,24 @@
                                   [--layers 8] [--heads 8] [--kv-heads 8] [--vocab 32000]
                                   [--prompts 8] [--samples 8] [--prompt-len 32] [--new-tokens 128]
                                   [--micro-batch 8] [--beta 0.04] [--old-logprobs rollout|recompute]
-                                  [--no-trl] [--profile]
+                                  [--no-trl] [--profile] [--workload default|realistic]
 
 One random Llama is built with transformers (default init, seeded) and saved with a 32k-word
 WordLevel tokenizer (ids are words "w<id>"; its chat template renders the bare prompt, so both
 frameworks feed identical prompt ids). megarl imports it (roles.actor/reference.init_from = the
 directory) and runs `RLStage.step` in this process; TRL runs `GRPOTrainer` on the same directory
-in a subprocess of its own venv (bench/.venv-trl, created on first use with
-`python -m venv --system-site-packages` + `pip install trl`, reused afterwards).
+in a subprocess of its own venv (bench/.venv-trl, created on first use with `python -m venv`, no
+system site-packages, + `pip install torch==<this process's torch version> trl ...`: both sides
+run the same torch; reused afterwards while its torch still matches). TRL runs without gradient
+checkpointing (its default recomputes every layer's forward in the backward; megarl does not).
+
+--workload realistic: shaped like real RL instead of the kind default shape: prompts of 40..200
+tokens (uniform per prompt) shared by `samples` samples, response lengths long-tailed up to
+--new-tokens (default 1024) ending with EOS, a 151,936-word vocabulary at hidden 256 (4 layers).
+The random model gets an "EOS channel" so that both frameworks stop the same way: one residual
+dimension holds a constant (embeddings set it, no attention/MLP output writes it), and only the
+EOS row of the LM head reads it, giving EOS a logit of about log(V / --mean-len) at every step
+(geometric-like lengths, mean ~ --mean-len, spread further by the other dimensions' noise).
 
 Both: `prompts` x `samples` rows, `new-tokens` sampled tokens at temperature 1, one PPO epoch, one
 optimizer step over micro-batches of `micro-batch` rows, KL-to-reference loss term (k3) with
@@ -78,15 +88,41 @@ def build_assets(args, out: str) -> tuple[str, str]:
         bos_token_id=None, eos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
+    if args.workload == "realistic":
+        add_eos_channel(model, args)
     model.save_pretrained(model_dir, safe_serialization=True)
 
     rng = random.Random(0)
     prompts_file = os.path.join(out, "prompts.jsonl")
     with open(prompts_file, "w") as f:
-        for _ in range(8 * args.prompts):  # every prompt has exactly prompt_len tokens
-            f.write(json.dumps({"prompt": " ".join(f"w{rng.randrange(3, args.vocab)}"
-                                                   for _ in range(args.prompt_len))}) + "\n")
+        for _ in range(8 * args.prompts):  # default: every prompt has exactly prompt_len tokens
+            n = rng.randint(args.prompt_min, args.prompt_len)
+            f.write(json.dumps({"prompt": " ".join(f"w{rng.randrange(3, args.vocab)}" for _ in range(n))}) + "\n")
     return model_dir, prompts_file
+
+
+def add_eos_channel(model, args) -> None:
+    """Make EOS (id 1) come with a hazard of about 1 / mean_len per token in a random Llama.
+
+    Residual dimension k = hidden - 1 is 1.0 in every embedding and written by no attention or
+    MLP output, so after the final RMSNorm it is positive at every position (its size set by the
+    other dimensions' norm); only the EOS row of the LM head reads it, scaled so that the EOS
+    logit averages log(V / (mean_len - 1)) over random token sequences (measured here)."""
+    import math
+
+    import torch
+
+    k, eos = args.hidden - 1, 1
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, k] = 1.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[k, :] = 0.0
+            layer.mlp.down_proj.weight[k, :] = 0.0
+        model.lm_head.weight[:, k] = 0.0
+        model.lm_head.weight[eos, :] = 0.0
+        ids = torch.randint(3, args.vocab, (4, 256), generator=torch.Generator().manual_seed(0))
+        channel = model.model(ids).last_hidden_state[..., k].mean().item()  # after the final norm
+        model.lm_head.weight[eos, k] = math.log(args.vocab / (args.mean_len - 1)) / channel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,14 +176,20 @@ def megarl_step(stage, step: int) -> dict:
 
 
 def ensure_trl_venv(spec: str) -> str:
-    """bench/.venv-trl/bin/python with TRL importable (created and installed on first use)."""
+    """bench/.venv-trl/bin/python with TRL importable and this process's torch version (created
+    and installed on first use; torch re-pinned when it no longer matches)."""
+    import torch
+
     python = os.path.join(VENV, "bin", "python")
-    probe = [python, "-c", "import trl, transformers, datasets, accelerate"]
+    pin = f"torch=={torch.__version__.split('+')[0]}"  # 2.13.0 also matches a local 2.13.0+cpu wheel
+    probe = [python, "-c", "import torch, trl, transformers, datasets, accelerate; "
+             f"assert torch.__version__ == {torch.__version__!r}, torch.__version__"]
     if os.path.exists(python) and subprocess.run(probe, capture_output=True).returncode == 0:
         return python
-    print(f"creating {VENV} and installing {spec} (once) ...", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", VENV], check=True)
-    subprocess.run([python, "-m", "pip", "install", "-q", spec, "datasets", "accelerate"], check=True)
+    print(f"creating {VENV} and installing {pin} {spec} (once) ...", flush=True)
+    if not os.path.exists(python):
+        subprocess.run([sys.executable, "-m", "venv", VENV], check=True)  # no system site-packages
+    subprocess.run([python, "-m", "pip", "install", "-q", pin, spec, "datasets", "accelerate"], check=True)
     subprocess.run(probe, check=True)
     return python
 
@@ -215,6 +257,7 @@ def trl_worker(args) -> None:
         max_completion_length=args.new_tokens, num_iterations=1, beta=args.beta, epsilon=0.2,
         temperature=1.0, top_p=1.0, top_k=0, learning_rate=1e-6, weight_decay=0.0, max_grad_norm=1.0,
         lr_scheduler_type="constant", warmup_steps=0, max_steps=total_steps, seed=1, use_cpu=True,
+        gradient_checkpointing=False,  # TRL's default (True) recomputes every layer; megarl does not
         bf16=False, fp16=False, model_init_kwargs={"dtype": torch.float32}, loss_type="dapo",
         logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none",
         log_completions=False, disable_tqdm=True, dataloader_num_workers=0)
@@ -295,8 +338,10 @@ def summary(results: list[dict]) -> dict:
 
 def report(args, mg: dict, trl: dict | None) -> None:
     rows = args.prompts * args.samples
-    print(f"\n## RL step: GRPO, {args.prompts} prompts x {args.samples} samples, prompt {args.prompt_len} + "
-          f"{args.new_tokens} new tokens, Llama hidden {args.hidden}, ffn {args.ffn}, {args.layers} layers, "
+    prompt = f"{args.prompt_min}..{args.prompt_len}" if args.prompt_min != args.prompt_len else args.prompt_len
+    ending = f" (up to; EOS, mean target {args.mean_len})" if args.workload == "realistic" else ""
+    print(f"\n## RL step ({args.workload} workload): GRPO, {args.prompts} prompts x {args.samples} samples, "
+          f"prompt {prompt} + {args.new_tokens}{ending} new tokens, Llama hidden {args.hidden}, ffn {args.ffn}, {args.layers} layers, "
           f"{args.heads} heads ({args.kv_heads} KV), vocab {args.vocab}, fp32, 1 PPO epoch, 1 optimizer step "
           f"of {rows // args.micro_batch} micro-batches x {args.micro_batch}, beta {args.beta}, "
           f"{args.threads} thread(s), 1 warm-up + {args.steps} timed steps each, interleaved\n")
@@ -353,11 +398,20 @@ def main() -> None:
     ap.add_argument("--no-trl", action="store_true", help="time megarl only")
     ap.add_argument("--trl-spec", default="trl==1.16.0", help="what pip installs into bench/.venv-trl")
     ap.add_argument("--profile", action="store_true", help="torch.profiler top ops of one more megarl step")
+    ap.add_argument("--workload", choices=("default", "realistic"), default="default",
+                    help="realistic: prompts 40..200 tokens, EOS-ended long-tailed responses up to 1024, "
+                         "vocab 151936 at hidden 256 (set before other options apply)")
+    ap.add_argument("--mean-len", type=int, default=200, help="realistic: target mean response length")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
+    realistic = dict(hidden=256, ffn=704, layers=4, heads=4, kv_heads=4, vocab=151936, prompt_len=200,
+                     new_tokens=1024)
+    if ap.parse_known_args()[0].workload == "realistic":
+        ap.set_defaults(**realistic)  # explicit options still win
     args = ap.parse_args()
+    args.prompt_min = 40 if args.workload == "realistic" else args.prompt_len
     if args.trl_worker:
         return trl_worker(args)
     if args.quick:
