@@ -101,17 +101,69 @@ def small_fs(tmp_path):
     subprocess.run(["umount", str(mnt)], check=True)
 
 
-def test_disk_full_during_a_checkpoint_is_one_line(tmp_path, small_fs):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_disk_full_during_a_checkpoint_is_one_line(tmp_path, small_fs, async_save):
     """A real full filesystem under checkpoints/: step 2 is saved, step 4 does not fit. One line
     (before: tracebacks ending in torch's "unexpected pos"), exit non-zero, no temp dir left,
-    `latest` still names step 2."""
+    `latest` still names step 2; with background writes too."""
     run = tmp_path / "run"
     out = megarl(["sft", "--config", "tiny_sft.yaml", *TINY, f"train.run_dir={run}", "train.steps=6",
                   "checkpoint.save_interval=2", "checkpoint.keep_last=3", "train.eval_interval=0",
-                  "tracking.backend=mlflow"], check=False)
+                  "tracking.backend=mlflow", f"checkpoint.async_save={str(async_save).lower()}"], check=False)
     assert out.returncode != 0
     assert out.stderr.strip().splitlines() == [
         f"megarl: error: no space left on device while saving step 4 to {small_fs}; the last good checkpoint is step 2"
     ], out.stderr[-3000:]
     assert sorted(os.listdir(small_fs)) == ["latest", "step_00000002"]
     assert (small_fs / "latest").read_text().strip() == "step_00000002"
+
+
+def test_eval_checkpoint_names_a_stage_or_says_what_a_directory_is_not(tmp_path, capsys):
+    """`megarl eval --checkpoint rl` (as --help says) evaluates the RL stage's latest checkpoint;
+    each eval is its own MLflow run (before: the second kept the first's figures), and its
+    console line says how many prompts and samples it used; a directory of the wrong kind is
+    named for what it is not (before: "rl does not exist", "megarl_manifest.json: no such file")."""
+    from mlflow.tracking import MlflowClient
+
+    from megarl.cli.main import main
+
+    run = tmp_path / "run"
+    base = ["--config", "tiny_grpo.yaml", f"train.run_dir={run}", *TINY_RL, "rl.eval_samples=2"]
+    empty, afile = tmp_path / "empty", tmp_path / "afile"
+    empty.mkdir()
+    afile.write_text("x")
+    ck = run / "rl" / "checkpoints"
+    for args, line in [
+        (["--checkpoint", "rl"], f"--checkpoint rl: no checkpoint at {ck}; run `megarl rl` with the same "
+                                 "train.run_dir first, or give a checkpoint directory (or --hf DIR)"),
+        (["--checkpoint", str(empty)], f"--checkpoint {empty}: not a megarl checkpoint (no megarl_manifest.json: "
+                                       "not a step directory; no 'latest': not a checkpoint root)"),
+        (["--checkpoint", str(afile)], f"--checkpoint {afile}: is a file, not a checkpoint directory"),
+        (["--hf", str(empty)], f"--hf {empty}: not a Hugging Face model directory (no config.json)"),
+    ]:
+        assert main(["eval", *args, *base]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"megarl: error: {line}"]
+    assert not run.exists()  # found before anything is written
+
+    megarl(["rl", *base, "train.steps=1", "train.eval_interval=0"])
+    assert main(["eval", "--checkpoint", str(run / "rl"), *base]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"; it is a stage directory: use {ck}")
+    assert main(["eval", "--hf", str(ck), *base]) == 2
+    assert capsys.readouterr().err.strip().endswith("; it is a megarl checkpoint: use --checkpoint")
+
+    figures = []
+    for prompts in (4, 8):
+        out = megarl(["eval", "--checkpoint", "rl", *base, f"rl.eval_prompts={prompts}", "tracking.backend=mlflow"])
+        line = next(ln for ln in out.stdout.splitlines() if "eval of " in ln)
+        assert f"eval of {ck / 'step_00000001'} on {prompts} prompts x 2 samples" in line, line
+        figures.append(json.loads((run / "eval" / "results.json").read_text()))
+    client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("megarl-quickstart").experiment_id],
+                              "tags.`megarl.stage` = 'eval'", order_by=["attributes.start_time ASC"])
+    assert len(runs) == 2  # before: one run, which kept the first eval's figures
+    for mlflow_run, result in zip(runs, figures):
+        assert mlflow_run.data.tags["megarl.eval_prompts"] == str(result["n_prompts"])
+        for key, value in result.items():
+            if key.startswith("eval/"):
+                history = client.get_metric_history(mlflow_run.info.run_id, key)
+                assert [(m.step, m.value) for m in history] == [(1, pytest.approx(value))], key

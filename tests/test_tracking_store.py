@@ -18,9 +18,10 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from megarl.tracking import Tracker, replay_spill, replay_stage_spills  # noqa: E402
 from megarl.tracking.store import BrokenStore, prepare_store, store_problem  # noqa: E402
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(400)
 
-FAST = dict(system_metrics_interval=None, retry_backoff=(0.05, 0.2), flush_timeout=30)
+# creating a store takes MLflow 5-30 s (its migrations) on a loaded 2-core machine
+FAST = dict(system_metrics_interval=None, retry_backoff=(0.05, 0.2), flush_timeout=150)
 MID_MIGRATION = "c8d9e0f1a2b3"  # where a kill -9 during creation was seen to leave a store
 
 
@@ -65,9 +66,7 @@ def test_a_half_created_store_is_replaced_and_records_reach_it(tmp_path, caplog)
     assert store_problem(db)[0] == "an interrupted schema migration left table _alembic_tmp_experiments"
     t = Tracker.start(run_dir, **FAST)  # the embedded store: sqlite:///<run_dir>/mlflow.db
     t.log_metrics({"train/loss": 0.5}, step=1)
-    start = time.monotonic()
-    assert t.close()  # before: not delivered, 15 s close timeout, records only in the spill file
-    assert time.monotonic() - start < 20
+    assert t.close()  # before: never delivered (each try fails on the leftover table), records only spilled
     assert _metrics(t.uri, t.run_id, "train/loss") == [(1, 0.5)]
     assert store_problem(db) == (None, 1)
     assert len(list(run_dir.glob("mlflow.db.broken-*"))) == 1
@@ -86,7 +85,7 @@ def test_a_broken_store_with_runs_is_named_in_one_line_and_nothing_is_lost(tmp_p
     t.log_metrics({"train/loss": 0.5}, step=1)
     start = time.monotonic()
     assert t.close() is False
-    assert time.monotonic() - start < 5  # no close timeout: retrying cannot help
+    assert time.monotonic() - start < 60  # not the 150 s close timeout: retrying cannot help
     assert db.read_bytes() == before  # left as it was
     broken = [r.getMessage() for r in caplog.records if "the MLflow store is unusable" in r.getMessage()]
     assert len(broken) == 1 and "\n" not in broken[0] and "holds 1 run(s)" in broken[0], broken
@@ -137,8 +136,8 @@ def test_a_stage_that_ended_before_the_store_worked_is_replayed(tmp_path):
             assert len(replays) == 1
             assert rl.close() and parent.close() and all(r.close(None) for r in replays)
         else:
-            out = subprocess.run([sys.executable, "-m", "megarl.tracking", "replay", str(run_dir)],
-                                 capture_output=True, text=True, timeout=120)
+            out = subprocess.run([sys.executable, "-m", "megarl.tracking", "replay", str(run_dir), "--timeout", "150"],
+                                 capture_output=True, text=True, timeout=300)
             assert out.returncode == 0, out.stderr[-2000:]
         state = json.loads((run_dir / "sft" / "tracking.json").read_text())
         client = MlflowClient(f"sqlite:///{db}")

@@ -219,6 +219,11 @@ def disk_full_named(root: str, tmp: str, step: int):
                               f"the last good checkpoint is {last}") from e
 
 
+def saving(root: str, step: int):
+    """disk_full_named for the save of `step` under `root`, e.g. around an async save's publication."""
+    return disk_full_named(root, os.path.join(root, ".tmp-" + step_dir_name(step)), step)
+
+
 def run_id_for(root: str) -> str:
     """The id this process's run stamps on checkpoints under `root` (see _RUN_IDS)."""
     import uuid

@@ -392,27 +392,41 @@ def _spilled(run_dir) -> bool:
     return any(Path(run_dir).glob("tracking_spill*.jsonl"))
 
 
+_NOT_TRACKING = ("checkpoints", "data", "mlartifacts", "logs")  # run dir parts that hold no tracking state
+
+
+def _tracking_dirs(run_dir) -> list[Path]:
+    """run_dir and the dirs below it that hold a run's tracking state, parents before children."""
+    found = []
+    for here, dirs, files in os.walk(run_dir):
+        dirs[:] = sorted(d for d in dirs if d not in _NOT_TRACKING)
+        if "tracking.json" in files or any(f.startswith("tracking_spill") for f in files):
+            found.append(Path(here))
+    return sorted(found, key=lambda p: (len(p.parts), str(p)))
+
+
 def replay_spill(run_dir, uri: str | None = None, timeout: float = 60.0) -> bool:
     """Deliver the spill files of a run dir and of its stage dirs (left by runs whose store was
     down or unusable at their end, or that ended before it existed) into their MLflow runs,
     applying recorded final statuses; the run dir's own run first, since the stages' runs nest
     under it. Returns True when nothing is left over."""
-    run_dir = Path(run_dir)
-    dirs = [run_dir] + sorted(d for d in run_dir.iterdir() if d.is_dir()) if run_dir.is_dir() else []
     ok = True
-    for d in dirs:
+    for d in _tracking_dirs(run_dir):
         if _spilled(d):
             ok = _replay_tracker(d, uri, timeout).close(status=None, timeout=timeout) and ok
     return ok
 
 
 def replay_stage_spills(run_dir, parent: "Tracker", exclude=()) -> list[Tracker]:
-    """Start delivering, in the background, the spill files of run_dir's stage dirs other than
-    `exclude` (e.g. a stage that finished while the store was unusable, which a rerun skips).
-    The caller closes the returned trackers (status=None) when it closes its own."""
-    skip = {Path(p).resolve() for p in exclude}
+    """Start delivering, in the background, the spill files of the dirs below run_dir (stage
+    dirs, evals) but those in or under `exclude` (e.g. a stage that finished while the store was
+    unusable, which a rerun skips). The caller closes the returned trackers (status=None) when it
+    closes its own."""
+    skip = [Path(p).resolve() for p in exclude] + [Path(run_dir).resolve()]
     out = []
-    for d in sorted(p for p in Path(run_dir).iterdir() if p.is_dir() and p.resolve() not in skip):
+    for d in _tracking_dirs(run_dir):
+        if any(d.resolve() == s or (s != skip[-1] and s in d.resolve().parents) for s in skip):
+            continue
         if _spilled(d) and (d / "tracking.json").exists():
             nested = RunState(d).load().get("parent_run_dir") == str(Path(run_dir).resolve())
             out.append(_replay_tracker(d, None, parent.flush_timeout, parent=parent if nested else None))

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint.distributed import latest_checkpoint, load_checkpoint, save_checkpoint
+from megarl.checkpoint.distributed import latest_checkpoint, load_checkpoint, save_checkpoint, saving
 from megarl.config.schema import Config
 from megarl.runtime.distributed import device, is_rank0
 from megarl.trainers.stops import EXIT_REQUEUE, Preempted
@@ -238,12 +238,15 @@ class Checkpointer:
     def maybe(self, step: int) -> None:
         if self.cfg.save_interval and step % self.cfg.save_interval == 0:
             self.save(step)
-        if self.queue is not None and self.queue.get_num_unfinalized_calls():
-            self.queue.maybe_finalize_async_calls(blocking=False)  # publish a finished write
+        self._finalize(blocking=False)  # publish a finished write
 
     def wait(self) -> None:
-        if self.queue is not None:
-            self.queue.maybe_finalize_async_calls(blocking=True)
+        self._finalize(blocking=True)
+
+    def _finalize(self, blocking: bool) -> None:
+        if self.queue is not None and self.queue.get_num_unfinalized_calls():
+            with saving(self.root, self.last_saved):  # a full disk: one line, the temp dir removed
+                self.queue.maybe_finalize_async_calls(blocking=blocking)
 
     def abort(self) -> None:
         """On a failing rank: no collectives; stop the writers. Their unpublished .tmp-

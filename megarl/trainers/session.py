@@ -71,13 +71,14 @@ def stage_session(cfg: Config, stage: str, keep_process_group: bool = False):
         parent = create_tracker(run_dir, None, backend=t.backend, rank=env.rank, uri=t.uri,
                                 experiment=t.experiment, run_name=t.run_name or os.path.basename(run_dir),
                                 system_metrics_interval=None)
-        tracker = create_tracker(stage_dir, config_to_dict(cfg), backend=t.backend, rank=env.rank, uri=t.uri,
-                                 experiment=t.experiment, run_name=stage, parent=parent if t.backend == "mlflow" else None,
-                                 tags={"megarl.stage": stage})
+        track_dir = _tracking_dir(stage_dir, stage)
+        tracker = create_tracker(track_dir, config_to_dict(cfg), backend=t.backend,
+                                 rank=env.rank, uri=t.uri, experiment=t.experiment, run_name=stage,
+                                 parent=parent if t.backend == "mlflow" else None, tags={"megarl.stage": stage})
         if is_rank0():
             tracker.log_artifact(os.path.join(stage_dir, "config.yaml"))
             if t.backend == "mlflow":
-                replays = replay_stage_spills(run_dir, parent, exclude=[stage_dir, *_busy_stage_dirs(run_dir)])
+                replays = replay_stage_spills(run_dir, parent, exclude=[track_dir, *_busy_stage_dirs(run_dir)])
         yield Session(cfg, env, run_dir, stage_dir, tracker)
     except BaseException as e:
         status = _status_of(e)
@@ -125,6 +126,17 @@ def _lock(run_dir: str, stage_dir: str, stage: str, pipeline: bool) -> bool:
     if not ok.item():
         raise error or run_lock.RunDirInUse(f"{stage_dir} is in use by another megarl process (rank 0 names it)")
     return taken
+
+
+def _tracking_dir(stage_dir: str, stage: str) -> str:
+    """Where a stage's tracking state lives: the stage dir, whose MLflow run a resume continues;
+    for `megarl eval`, a new dir each time (eval/runs/<time>-<pid>): each eval is its own run,
+    and records one eval left unsent are replayed into that eval's run, not the next one's."""
+    if stage != "eval":
+        return stage_dir
+    import time
+
+    return os.path.join(stage_dir, "runs", f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
 
 
 def _busy_stage_dirs(run_dir: str) -> list[str]:
