@@ -52,6 +52,15 @@ def naive(x, t):
     return lsm.gather(-1, t[..., None]).squeeze(-1), -(lsm.exp() * lsm).sum(-1)
 
 
+def _rss_extra_mib(fn):
+    """MiB of RSS above the current one at the peak of fn() (VmHWM after resetting it)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _rss_kib("VmRSS")
+    fn()
+    return (_rss_kib("VmHWM") - base) / 1024
+
+
 def _alloc_peak(fn):
     """(peak MiB of live CPU allocations above the start, number of allocations) during fn()."""
     import itertools
@@ -103,11 +112,7 @@ def head_child(impl, shape, dtype, mode, what, reps, threads):
     once(min(T, 512))  # warm-up on a slice: thread pools, lazy init
     res = dict(logits_mib=T * V * 4 / 2**20, threads=torch.get_num_threads())
     if what == "mem":
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = _rss_kib("VmRSS")
-        once()
-        res["extra_mib"] = (_rss_kib("VmHWM") - base) / 1024
+        res["extra_mib"] = _rss_extra_mib(once)
         res["alloc_peak_mib"], res["allocs"] = _alloc_peak(once)
     else:
         wall_s, cpu_s = best_wall_and_cpu(once, reps)
@@ -147,11 +152,7 @@ def child(impl, shape, dtype, mode, what, reps, threads):
         x.grad = None
     res = dict(logits_mib=x.numel() * x.element_size() / 2**20, threads=torch.get_num_threads())
     if what == "mem":
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = _rss_kib("VmRSS")
-        once()
-        res["extra_mib"] = (_rss_kib("VmHWM") - base) / 1024
+        res["extra_mib"] = _rss_extra_mib(once)
     else:
         wall_s, cpu_s = best_wall_and_cpu(once, reps)
         res.update(wall_s=wall_s, cpu_s=cpu_s)
