@@ -125,3 +125,21 @@ def test_pipeline_lock_is_reentrant_for_its_stages_and_blocks_other_processes(tm
     run_lock.release(os.path.join(run, "reward_model"))
     run_lock.release(run)
     assert not any(f.endswith(".lock") for _, _, fs in os.walk(run) for f in fs)
+
+
+def test_a_pipeline_waits_for_no_eval_but_refuses_beside_a_training_stage(tmp_path, other_process, monkeypatch):
+    from megarl.trainers import run_lock
+    from megarl.trainers.session import _lock as session_lock
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    run = str(tmp_path / "run")
+    live = dict(pid=other_process.pid, proc_start=run_lock._proc_start(other_process.pid))
+    _lock(os.path.join(run, "eval"), **live)  # `megarl eval` in another process
+    assert session_lock(run, os.path.join(run, "sft"), "sft", pipeline=True)
+    run_lock.release(os.path.join(run, "sft"))
+    run_lock.release(run)
+    _lock(os.path.join(run, "rl"), **live)  # `megarl rl` in another process
+    with pytest.raises(run_lock.RunDirInUse, match=f"{run}/rl is in use by another megarl process: pid {other_process.pid}"):
+        session_lock(run, os.path.join(run, "sft"), "sft", pipeline=True)
+    run_lock.release(run)
+    assert not os.path.exists(os.path.join(run, "sft", run_lock.LOCK_NAME))

@@ -118,11 +118,12 @@ def check_free(directory: str) -> None:
         raise in_use_error(directory, path, holder)
 
 
-def check_stages_free(run_dir: str) -> None:
-    """Raise RunDirInUse if another live process holds a lock of one of run_dir's stage dirs."""
+def check_stages_free(run_dir: str, ignore=()) -> None:
+    """Raise RunDirInUse if another live process holds a lock of one of run_dir's stage dirs
+    (but those named in `ignore`)."""
     if os.path.isdir(run_dir):
         for name in sorted(os.listdir(run_dir)):
-            if os.path.isdir(os.path.join(run_dir, name)):
+            if name not in ignore and os.path.isdir(os.path.join(run_dir, name)):
                 check_free(os.path.join(run_dir, name))
 
 
