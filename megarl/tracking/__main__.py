@@ -13,7 +13,8 @@ def main(argv=None) -> int:
     rep.add_argument("run_dir")
     rep.add_argument("--out", default=None, help="default: <run_dir>/report")
     rep.add_argument("--uri", default=None, help="default: the store recorded in tracking.json")
-    rp = sub.add_parser("replay", help="deliver a run dir's tracking_spill*.jsonl to MLflow")
+    rp = sub.add_parser("replay", help="deliver the tracking_spill*.jsonl of a run dir and of its stage and eval "
+                                       "dirs to MLflow")
     rp.add_argument("run_dir")
     rp.add_argument("--uri", default=None)
     rp.add_argument("--timeout", type=float, default=60.0)
