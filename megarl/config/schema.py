@@ -254,6 +254,9 @@ class RLConfig:
     # chunked over tokens (megarl.ops.head_logprobs): the [tokens, V] logits never exist; false:
     # through the logits (same results within fp32 rounding)
     fused_head: bool = True
+    # scoring and training micro-batches as rows packed into one sequence (attention within rows):
+    # no padding; needs megarl's attention on the local layer spec (no TE, no sequence parallel)
+    packing: bool = False
     # updates
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch and trained role

@@ -88,7 +88,7 @@ def _rl_rules(cfg: Config, world_size: int, cuda: bool) -> list[str]:
     elif (r.prompts_per_step // dp * r.samples_per_prompt) % r.mini_batches:
         errs.append(f"rl.mini_batches ({r.mini_batches}) must divide the rows per data-parallel rank "
                     f"(prompts_per_step / dp x samples_per_prompt = {r.prompts_per_step // dp * r.samples_per_prompt})")
-    errs += _algorithm_rules(cfg)
+    errs += _algorithm_rules(cfg, cuda)
     longest = r.max_prompt_len + r.max_new_tokens
     for name in ("actor", "reference", "critic", "reward"):
         m = getattr(cfg.roles, name).model or cfg.model
@@ -131,7 +131,7 @@ def _rl_rules(cfg: Config, world_size: int, cuda: bool) -> list[str]:
     return errs
 
 
-def _algorithm_rules(cfg: Config) -> list[str]:
+def _algorithm_rules(cfg: Config, cuda: bool) -> list[str]:
     """The RL algorithm's own rules (algorithms/spec.py), its DAPO settings, and offload settings
     of roles the run will not have."""
     from megarl import algorithms as A
@@ -145,6 +145,11 @@ def _algorithm_rules(cfg: Config) -> list[str]:
         errs.append(f"rl.max_resample_rounds must be >= 1, got {r.max_resample_rounds}")
     if r.overlong == "soft" and not 0 < r.overlong_buffer <= r.max_new_tokens:
         errs.append(f"rl.overlong_buffer ({r.overlong_buffer}) must be in [1, rl.max_new_tokens={r.max_new_tokens}]")
+    impl = cfg.model.transformer_impl
+    te = impl == "transformer_engine" or (impl == "auto" and cuda and has_module("transformer_engine"))
+    if r.packing and (te or cfg.parallel.sequence_parallel):
+        errs.append("rl.packing packs rows for megarl's own attention: it needs model.transformer_impl=local "
+                    "(or auto without Transformer Engine) and parallel.sequence_parallel=false")
     if r.overlong_penalty < 0:
         errs.append(f"rl.overlong_penalty must be >= 0, got {r.overlong_penalty}")
     roles = A.needed_roles(r)

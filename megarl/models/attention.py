@@ -89,6 +89,12 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *, caus
     return F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
+def _rows_packed(packed) -> bool:
+    """megarl's packing of RL rows: megatron's PackedSeqParams in the sbhd layout with one
+    sequence of batch 1 (THD belongs to Transformer Engine's attention)."""
+    return packed.qkv_format == "sbhd" and packed.cu_seqlens_q is not None
+
+
 def self_attention_class():
     """Built lazily, so that importing megarl needs no megatron-core."""
     from megatron.core.transformer.attention import SelfAttention
@@ -97,7 +103,8 @@ def self_attention_class():
     class MegarlSelfAttention(SelfAttention):
         def _own_path(self, key_value_states, freqs, rotary_pos_cos, attention_bias, packed_seq_params) -> bool:
             c = self.config
-            return (key_value_states is None and attention_bias is None and packed_seq_params is None
+            return (key_value_states is None and attention_bias is None
+                    and (packed_seq_params is None or _rows_packed(packed_seq_params))
                     and rotary_pos_cos is None and c.context_parallel_size == 1 and not c.attention_output_gate
                     and not c.flash_decode and not c.rotary_interleaved and not c.multi_latent_attention
                     and c.window_size is None and c.softmax_type == "vanilla"
@@ -130,7 +137,9 @@ def self_attention_class():
                 freqs = None
 
             query, key, value = self.get_query_key_value_tensors(hidden_states, None)  # [s, b, n|g, d]
-            if inference_context is None:
+            if packed_seq_params is not None:
+                context = self._packed_attention(query, key, value, freqs, packed_seq_params)
+            elif inference_context is None:
                 context = self._train_attention(query, key, value, attention_mask, freqs)
             else:
                 context = self._cached_attention(query, key, value, attention_mask, freqs, inference_context)
@@ -153,6 +162,26 @@ def self_attention_class():
                        causal=self.attn_mask_type == AttnMaskType.causal and sq > 1,
                        scale=self._softmax_scale(d))  # [b, n, sq, d]
             return out.permute(2, 0, 1, 3).reshape(sq, b, n * d)
+
+        def _packed_attention(self, query, key, value, freqs, packed):
+            """Rows packed into one sequence ([T, 1, n, d]; row i is cu[i]:cu[i+1]): RoPE at each
+            row's own positions and causal attention within each row, so every row computes what
+            it would alone, without padding."""
+            core = self.core_attention
+            if type(core).__name__ != "DotProductAttention" or (self.training and core.attention_dropout.p > 0):
+                raise NotImplementedError("packed rows need megarl's SDPA attention (the local layer spec, "
+                                          "no attention dropout); use rl.packing=false")
+            cu = packed.cu_seqlens_q.tolist()
+            if freqs is not None:
+                positions = torch.cat([torch.arange(e - s_) for s_, e in zip(cu, cu[1:])]).to(freqs.device)
+                query = apply_rope(query, freqs[positions])
+                key = apply_rope(key, freqs[positions])
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [1, n|g, T, d]
+            scale = self._softmax_scale(q.shape[-1])
+            out = torch.cat([sdpa(q[:, :, s_:e], k[:, :, s_:e], v[:, :, s_:e], None, causal=e - s_ > 1, scale=scale)
+                             for s_, e in zip(cu, cu[1:])], dim=2)  # [1, n, T, d]
+            T, b, n, d = query.shape
+            return out.permute(2, 0, 1, 3).reshape(T, b, n * d)
 
         def _cached_attention(self, query, key, value, mask, freqs, ctx):
             """Static-batching KV cache of rotated keys, layout [B, g, S, d] per layer.

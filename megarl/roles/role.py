@@ -125,7 +125,8 @@ class Role:
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
-            extra = {k: batch[k] for k in ("output_from", "return_hidden") if batch.get(k)}
+            extra = {k: batch[k] for k in ("output_from", "return_hidden", "output_index", "packed_seq_params")
+                     if batch.get(k) is not None and batch.get(k) is not False}
             output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **kwargs, **extra)
             if collect:
                 return output, lambda out, non_loss_data=True: on_output(batch, out)

@@ -79,13 +79,15 @@ class SupervisedStage(Stage):
         self.train_data.load_state_dict(state["data"])
 
 
-def plan_microbatches(lengths: list[int], *, max_rows: int, max_tokens: int | None = None) -> list[list[int]]:
-    """Group rows (by index) into micro-batches, each later cut to its own longest row.
+def plan_microbatches(lengths: list[int], *, max_rows: int, max_tokens: int | None = None,
+                      packed: bool = False) -> list[list[int]]:
+    """Group rows (by index) into micro-batches, each later cut to its own longest row, or packed
+    into one sequence (packed: its cost is the sum of the lengths, not rows x longest).
 
-    Rows are sorted longest first and packed greedily while rows x longest <= max_tokens (the
-    padded cost, verl's use_dynamic_bsz) and rows <= max_rows. Without max_tokens: fixed
-    micro-batches of max_rows rows in the given order. Which rows share a micro-batch changes
-    no result: losses are sums over units divided by the global count (the Role contract).
+    Rows are sorted longest first and packed greedily while the cost <= max_tokens (padded: verl's
+    use_dynamic_bsz) and rows <= max_rows. Without max_tokens: fixed micro-batches of max_rows
+    rows in the given order. Which rows share a micro-batch changes no result: losses are sums
+    over units divided by the global count (the Role contract).
     """
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -96,12 +98,14 @@ def plan_microbatches(lengths: list[int], *, max_rows: int, max_tokens: int | No
         raise ValueError(f"max_tokens_per_micro_batch ({max_tokens}) is below the longest sequence "
                          f"({max(lengths)} tokens)")
     order.sort(key=lambda i: -lengths[i])
-    groups, current = [], []
+    groups, current, total = [], [], 0
     for i in order:
-        if current and ((len(current) + 1) * lengths[current[0]] > max_tokens or len(current) == max_rows):
+        cost = total + lengths[i] if packed else (len(current) + 1) * lengths[current[0] if current else i]
+        if current and (cost > max_tokens or len(current) == max_rows):
             groups.append(current)
-            current = []
+            current, total = [], 0
         current.append(i)
+        total += lengths[i]
     if current:
         groups.append(current)
     return groups

@@ -18,6 +18,7 @@ are frozen and rebuilt from where they came from on resume (trainers/weights.py)
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass, fields, replace
@@ -67,6 +68,41 @@ class Experience:
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+
+    def packed_microbatch(self, rows: list[int], hidden: bool = False) -> dict:
+        """Rows `rows` concatenated into one [1, T] sequence, no padding: positions restart and
+        attention stays within each row (models/attention.py), and the head runs on the rows'
+        response columns only (`output_index`, [T']). Per-token fields are [b, W], row k's
+        columns first_k.. at 0..; the model's [1, T'] outputs come back in that layout through
+        `unpack` (see per_row)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        lens = [self.lengths[i] for i in rows]
+        firsts = [int(self.prompt_lens[i]) - 1 for i in rows]  # column predicting the first response token
+        widths = [n - f for n, f in zip(lens, firsts)]
+        starts = list(itertools.accumulate([0, *lens]))
+        cu = torch.tensor(starts, dtype=torch.int32)
+        row_of = torch.cat([torch.full((w,), k) for k, w in enumerate(widths)])  # [T']
+        col_of = torch.cat([torch.arange(w) for w in widths])
+
+        def field(t):  # [N, L] -> [b, W], each row's columns first.. left-aligned
+            out = t.new_zeros(len(rows), max(widths))
+            for k, (i, f, w) in enumerate(zip(rows, firsts, widths)):
+                out[k, :w] = t[i, f:f + w]
+            return out
+
+        mb = {"tokens": torch.cat([self.tokens[i, :n] for i, n in zip(rows, lens)])[None],
+              "position_ids": torch.cat([torch.arange(n) for n in lens])[None], "attention_mask": None,
+              "packed_seq_params": PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                   max_seqlen_q=max(lens), max_seqlen_kv=max(lens)),
+              "output_index": torch.cat([torch.arange(s + f, s + n) for s, f, n in zip(starts, firsts, lens)]),
+              "return_hidden": hidden, "unpack": (row_of, col_of), "columns": list(zip(firsts, widths)),
+              "labels": field(self.labels), "mask": field(self.mask)}
+        for name in ("old_logp", "ref_logp", "values", "advantages", "returns"):
+            value = getattr(self, name)
+            if value is not None:
+                mb[name] = field(value)
+        return mb
 
     def microbatch(self, rows: list[int], hidden: bool = False) -> dict:
         """Rows `rows`, cut to their longest sequence, as a Role micro-batch.
@@ -145,22 +181,42 @@ def _token_logprobs(vocab_size: int, temperature: float, with_entropy: bool = Fa
     from megarl.ops import head_logprobs, logprobs_and_entropy
 
     def fn(batch, output):
+        labels = batch["labels"]
+        if "unpack" in batch:  # packed rows: the head's columns in sequence order, [1, T']
+            labels = labels[batch["unpack"]][None]
         if isinstance(output, HeadStates):  # hidden [b, s, h] + the output weight
-            return head_logprobs(output, batch["labels"], temperature=temperature, with_entropy=with_entropy)
-        logits = mask_padded_vocab(output, vocab_size)  # [b, s, V_pad/tp]
-        return logprobs_and_entropy(logits, batch["labels"], tp_group=ps.get_tensor_model_parallel_group(),
-                                    temperature=temperature, with_entropy=with_entropy)
+            logp, entropy = head_logprobs(output, labels, temperature=temperature, with_entropy=with_entropy)
+        else:
+            logits = mask_padded_vocab(output, vocab_size)  # [b, s, V_pad/tp]
+            logp, entropy = logprobs_and_entropy(logits, labels, tp_group=ps.get_tensor_model_parallel_group(),
+                                                 temperature=temperature, with_entropy=with_entropy)
+        return per_row(batch, logp), (None if entropy is None else per_row(batch, entropy))
 
     return fn
 
 
-def collect_per_token(role: Role, exp: Experience, groups: list[list[int]], fn, hidden: bool = False) -> torch.Tensor:
+def per_row(batch: dict, x: torch.Tensor) -> torch.Tensor:
+    """A per-token output of a packed micro-batch, [1, T'], in the layout of its per-token fields
+    ([b, W], see Experience.packed_microbatch); other micro-batches' outputs pass through."""
+    if "unpack" not in batch:
+        return x
+    out = x.new_zeros(batch["mask"].shape)
+    out[batch["unpack"]] = x[0]
+    return out
+
+
+def collect_per_token(role: Role, exp: Experience, groups: list[list[int]], fn, hidden: bool = False,
+                      packed: bool = False) -> torch.Tensor:
     """A [N, L] fp32 tensor from `fn(batch, output) -> [b, s]` over every micro-batch (forward only)."""
-    mbs = [exp.microbatch(g, hidden) for g in groups]
+    mbs = [exp.packed_microbatch(g, hidden) if packed else exp.microbatch(g, hidden) for g in groups]
     out = torch.zeros(exp.tokens.shape, dtype=torch.float32)
     for g, mb, part in zip(groups, mbs, role.forward_collect(mbs, lambda b, o: fn(b, o).float().cpu())):
-        c = mb["output_from"]
-        out[torch.tensor(g), c: c + part.shape[1]] = part
+        if packed:  # row k's columns first.. sit at part[pos, :width]
+            for pos, (k, (first, width)) in enumerate(zip(g, mb["columns"])):
+                out[k, first:first + width] = part[pos, :width]
+        else:
+            c = mb["output_from"]
+            out[torch.tensor(g), c: c + part.shape[1]] = part
     return out
 
 
@@ -312,9 +368,8 @@ class RLStage(Stage):
                 _add(pairs, "reward/accuracy", (rule > 0).double().sum(), len(rule))
         if "reward" in self.all_roles:
             with clock.phase("score_reward"):
-                groups = plan_microbatches(exp.lengths, max_rows=r.micro_batch_size,
-                                           max_tokens=r.max_tokens_per_micro_batch)
-                values = collect_per_token(self.all_roles["reward"], exp, groups, lambda b, o: o.squeeze(-1))
+                values = collect_per_token(self.all_roles["reward"], exp, self._plan(exp.lengths),
+                                           lambda b, o: per_row(b, o.squeeze(-1)), packed=r.packing)
             rm = values[torch.arange(len(exp.lengths)), torch.tensor(exp.lengths) - 1]
             scores += r.reward_model_coef * rm
             _add(pairs, "reward/model_mean", rm.double().sum(), len(rm))
@@ -364,22 +419,29 @@ class RLStage(Stage):
         """Old log-probs (recomputed or the rollout's), reference log-probs, values; returns the
         micro-batch plan of these rows."""
         r = self.cfg.rl
-        groups = plan_microbatches(exp.lengths, max_rows=r.micro_batch_size, max_tokens=r.max_tokens_per_micro_batch)
+        groups = self._plan(exp.lengths)
         logprobs = _token_logprobs(self.cfg.model.vocab_size, r.temperature)
-        fused = r.fused_head
+        fused, packed = r.fused_head, r.packing
         if r.old_logprobs == "rollout":  # the sampled distribution's own log-probs
             exp.old_logp = exp.rollout_logp
         else:
             with clock.phase("score_actor"):
-                exp.old_logp = collect_per_token(self.actor, exp, groups, lambda b, o: logprobs(b, o)[0], fused)
+                exp.old_logp = collect_per_token(self.actor, exp, groups, lambda b, o: logprobs(b, o)[0], fused,
+                                                 packed)
         if "reference" in self.all_roles:
             with clock.phase("score_reference"):
                 exp.ref_logp = collect_per_token(self.all_roles["reference"], exp, groups,
-                                                 lambda b, o: logprobs(b, o)[0], fused)
+                                                 lambda b, o: logprobs(b, o)[0], fused, packed)
         if "critic" in self.all_roles:
             with clock.phase("score_critic"):
-                exp.values = collect_per_token(self.all_roles["critic"], exp, groups, lambda b, o: o.squeeze(-1))
+                exp.values = collect_per_token(self.all_roles["critic"], exp, groups,
+                                               lambda b, o: per_row(b, o.squeeze(-1)), packed=packed)
         return groups
+
+    def _plan(self, lengths: list[int]) -> list[list[int]]:
+        r = self.cfg.rl
+        return plan_microbatches(lengths, max_rows=r.micro_batch_size, max_tokens=r.max_tokens_per_micro_batch,
+                                 packed=r.packing)
 
     # 3. advantages ----------------------------------------------------------------------------
 
@@ -409,7 +471,8 @@ class RLStage(Stage):
                 exp.mask = mask & exp.stopped[:, None]
                 exp.advantages = exp.advantages * exp.mask
             bad = not (bool(torch.isfinite(exp.scores).all()) and bool(torch.isfinite(exp.advantages).all()))
-        metrics.update(dp_means({"train/padding_waste": (padding_waste(exp.lengths, groups) * len(groups), len(groups))}))
+        waste = 0.0 if r.packing else padding_waste(exp.lengths, groups)  # packed rows carry no padding
+        metrics.update(dp_means({"train/padding_waste": (waste * len(groups), len(groups))}))
         metrics["finite"] = dp_max(float(bad)) == 0
         return metrics
 
@@ -449,8 +512,8 @@ class RLStage(Stage):
 
     def _value_loss(self):
         r = self.cfg.rl
-        return lambda batch, values: A.value_loss(values.squeeze(-1), batch["values"], batch["returns"],
-                                                  batch["mask"], clip=r.value_clip)
+        return lambda batch, values: A.value_loss(per_row(batch, values.squeeze(-1)), batch["values"],
+                                                  batch["returns"], batch["mask"], clip=r.value_clip)
 
     def _train(self, role: Role, exp: Experience, loss_fn, step: int, prefix: str, hidden: bool = False) -> dict:
         """ppo_epochs x mini_batches optimizer steps over this step's rows (see minibatch_rows).
@@ -463,9 +526,9 @@ class RLStage(Stage):
         for epoch in range(r.ppo_epochs):
             assignment = minibatch_rows(n, self.dp_rank * n, r.mini_batches, (self.cfg.train.seed, step, epoch))
             for k, rows in enumerate(assignment):
-                plan = plan_microbatches([exp.lengths[i] for i in rows], max_rows=r.micro_batch_size,
-                                         max_tokens=r.max_tokens_per_micro_batch)
-                mbs = [exp.microbatch([rows[i] for i in grp], hidden) for grp in plan]
+                plan = self._plan([exp.lengths[i] for i in rows])
+                make = exp.packed_microbatch if r.packing else exp.microbatch
+                mbs = [make([rows[i] for i in grp], hidden) for grp in plan]
                 result = role.train_step(mbs, loss_fn, skip_nonfinite=True)
                 skipped += int(result.skipped)
                 for key, v in {**result.metrics, "grad_norm": result.grad_norm, "lr": result.lr}.items():
