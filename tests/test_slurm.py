@@ -390,7 +390,7 @@ def test_checkpoint_survives_sigterm_to_every_job_process(tmp_path):
     from dist_helpers import run_distributed
 
     helpers, latest = run_distributed(_save_with_sigterm_to_every_process, 1, str(tmp_path / "ckpt"))[0]
-    assert helpers >= 1  # megatron-core's writer keeps a multiprocessing manager between saves
+    assert helpers == 0  # no helper outlives a save (the write results come back through a file)
     assert latest == str(tmp_path / "ckpt" / "step_00000002")
 
 
