@@ -7,8 +7,9 @@ to every stage; `stages.<sft|rm|rl>` holds each stage's own values (steps, lr, b
 data), merged over the shared ones field by field. Overrides: a shared one (`train.steps=5`)
 sets that key in every stage, over the stage sections' own values; a stage one
 (`stages.rl.optim.lr=1e-6`) sets it in that stage only, and wins over a shared one whatever
-their order. Every stage's config passes `megarl validate`'s checks before the first stage's
-first step. A stage whose final checkpoint exists is skipped; an interrupted one resumes. Every stage's console output also goes to <run_dir>/logs/<stage>.log,
+their order. Every stage still to run passes `megarl validate`'s checks before the first
+stage's first step. A stage whose final checkpoint exists is skipped (and not checked); an
+interrupted one resumes. Every stage's console output also goes to <run_dir>/logs/<stage>.log,
 and the resolved per-stage configs to <run_dir>/logs/pipeline.yaml.
 
 Python, in a notebook or a script (one process, or every rank under torchrun):
@@ -190,14 +191,11 @@ class Pipeline:
         unknown = sorted(set(stages) - set(STAGES))
         if unknown:
             raise ConfigError(f"--stages: unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}")
-        from megarl.runtime.distributed import world_size_from_env
-
-        check_stages(self.configs, world_size_from_env(), stages, self.where)
+        from megarl.runtime.distributed import is_rank0, world_size_from_env
         from megarl.trainers.run_lock import release
 
-        from megarl.runtime.distributed import is_rank0
-
-        todo = [s for s in STAGES if s in stages and self._done(s) is None]
+        todo = [s for s in STAGES if s in stages and self._done(s) is None]  # finished ones are skipped
+        check_stages(self.configs, world_size_from_env(), todo, self.where)
         eta = RunETA({s: self.configs[s] for s in todo})
         if todo and is_rank0():
             steps = ", ".join(f"{s} {self.configs[s].train.steps} steps" for s in todo)
