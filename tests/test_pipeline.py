@@ -47,6 +47,10 @@ def test_pipeline_runs_three_stages_skips_finished_ones_and_resumes_rl_bit_exact
     assert "rl step 3/3 (100%, ETA 0:00; pipeline stage 3/3, run ETA ~0:00)" in (full / "logs" / "rl.log").read_text()
     assert "; pipeline stage 1/3, run ETA ~" in (full / "logs" / "sft.log").read_text()
     rl_metrics = metrics(full / "rl")
+    from megarl.tracking.params import sanitize_key
+
+    names = {k for d in ("sft", "reward_model", "rl") for m in metrics(full / d, wall_clock=True) for k in m}
+    assert {k for k in names if sanitize_key(k) != k} == set()  # MLflow stores what metrics.jsonl holds
     steps = [m for m in rl_metrics if "actor/loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3] and "critic/loss" in steps[0]
     # evaluated before the first step (the SFT model RL starts from) and after the last
