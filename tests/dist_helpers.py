@@ -73,3 +73,37 @@ class megatron_attention:
         for m, cls in zip(self.swapped, self.classes):
             m.__class__ = cls
         return False
+
+
+def rl_stage_steps(overrides, run_dir, steps=2, prepare=None):
+    """In this (spawned) process: an RL stage of configs/tiny_grpo.yaml with `overrides` at their
+    layout, `steps` loop steps; the figures a rerun must repeat (no perf/ or memory/) per step.
+    prepare(stage): e.g. hooks on the roles before the first step."""
+    from megarl.config import load_config
+    from megarl.runtime.distributed import init_distributed, teardown
+    from megarl.trainers.rl import RLStage
+
+    cfg = load_config("configs/tiny_grpo.yaml", [f"train.run_dir={run_dir}", *overrides])
+    init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed)
+    stage = RLStage(cfg, str(run_dir / "rl"))
+    if prepare is not None:
+        prepare(stage)
+    out = [{k: v for k, v in stage.step(i).items() if not k.startswith(("perf/", "memory/"))} for i in range(steps)]
+    teardown()
+    return out
+
+
+def assert_same_figures(got, ref, name, *, clip_tol, rel=1e-5, abs_=1e-6):
+    """Per-step figures of a layout against the reference run's: every key, within fp32 rounding;
+    a clip indicator may flip on a token at the boundary (clip_tol); padding waste is a property
+    of each rank's micro-batches."""
+    import pytest
+
+    assert len(got) == len(ref), name
+    for a, b in zip(got, ref):
+        assert a.keys() == b.keys(), name
+        for k in b:
+            if k == "train/padding_waste":
+                continue
+            tol = dict(abs=clip_tol) if "clip_fraction" in k else dict(rel=rel, abs=abs_)
+            assert a[k] == pytest.approx(b[k], **tol), (name, k, a[k], b[k])

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from dist_helpers import run_distributed
+from dist_helpers import assert_same_figures, rl_stage_steps, run_distributed
 
 from megarl.algorithms import AGG_MODES, ppo_policy_loss
 
@@ -96,22 +96,11 @@ def _bias_hook(role):
 
 
 def _rl_step_body(rank, world_size, overrides, run_dir):
-    import sys
+    def hooks(stage):  # actor and reference: the same biased model, so KL starts at 0
+        for role in stage.all_roles.values():
+            _bias_hook(role)
 
-    sys.path.insert(0, HERE)
-
-    from megarl.config import load_config
-    from megarl.runtime.distributed import init_distributed, teardown
-    from megarl.trainers.rl import RLStage
-
-    cfg = load_config("configs/tiny_grpo.yaml", [f"train.run_dir={run_dir}", *TOOLS_RL, *overrides])
-    init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed)
-    stage = RLStage(cfg, str(run_dir / "rl"))
-    for role in stage.all_roles.values():
-        _bias_hook(role)  # actor and reference: the same biased model, so KL starts at 0
-    out = [{k: v for k, v in stage.step(i).items() if not k.startswith(("perf/", "memory/"))} for i in range(2)]
-    teardown()
-    return out
+    return rl_stage_steps([*TOOLS_RL, *overrides], run_dir, prepare=hooks)
 
 
 @pytest.mark.slow
@@ -124,13 +113,7 @@ def test_an_rl_step_with_tools_is_the_same_at_every_layout(tmp_path, monkeypatch
     for name, extra, world in (("tp2", ["parallel.tp=2"], 2), ("pp2", ["parallel.pp=2"], 2), ("dp2", [], 2),
                                ("tp2pp2", ["parallel.tp=2", "parallel.pp=2"], 4)):
         got = run_distributed(_rl_step_body, world, extra, tmp_path / name)[0]
-        for a, b in zip(got, ref):
-            assert a.keys() == b.keys(), name
-            for k in b:
-                if k == "train/padding_waste":  # a property of each rank's micro-batches
-                    continue
-                tol = dict(abs=2 / 40) if "clip_fraction" in k else dict(rel=1e-5, abs=1e-6)
-                assert a[k] == pytest.approx(b[k], **tol), (name, k, a[k], b[k])
+        assert_same_figures(got, ref, name, clip_tol=2 / 40)
 
 
 def test_tool_recipes_validate_and_share_their_task():
