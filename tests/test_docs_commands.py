@@ -263,8 +263,10 @@ class Validate:
             args = argv[1:]
         else:
             world, stage, config, overrides = stage_command(argv)
+            # a command that reads the shared run dir's checkpoints is checked with the model they
+            # were saved with (the tests' tiny one): pre-flight compares the two
             args = ["validate", "--config", config, "--world-size", str(self.world or world or 1), "--stage", stage,
-                    *overrides]
+                    *overrides, *(TINY_MODEL if self.needs else ())]
         monkeypatch.chdir(work)
         capsys.readouterr()
         rc = main(args)

@@ -56,7 +56,8 @@ def test_hf_weights_of_another_size_give_the_mismatch_line(tmp_path, hf_llama, s
     out = megarl(args, check=False)
     assert out.returncode == 2, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
-    assert lines == [f"megarl: error: {hf_llama}: the saved model does not match the configured one: "
+    key = "model.init_from" if stage == "sft" else "roles.actor.init_from"  # the setting the user gave
+    assert lines == [f"megarl: error: {key}: {hf_llama}: the saved model does not match the configured one: "
                      "model.hidden_size=64 (config: 32), model.head_dim=16 (config: 8); "
                      "use the model section it was saved with"], lines
 

@@ -190,7 +190,7 @@ def test_eval_reports_tool_metrics(monkeypatch):
         def generate(self, prompts, params, seed, sample_offset):
             return SimpleNamespace(responses=lambda: [[i] for i in range(n * k)], response_lens=torch.full((n * k,), 5),
                                    tool_calls=calls, tool_errors=errors, observation_tokens=calls * 3,
-                                   hit_call_limit=calls == 3)
+                                   hit_call_limit=calls == 3, tool_timeouts=torch.tensor([0, 1, 0, 0, 0, 0]))
 
     data = [{"prompt_ids": [1], "messages": [{"content": f"q{i}"}], "answer": "1"} for i in range(n)]
     tok = SimpleNamespace(decode=lambda ids, skip_special_tokens: str(ids[0]))
@@ -201,4 +201,5 @@ def test_eval_reports_tool_metrics(monkeypatch):
     assert metrics["tool_call_success"] == pytest.approx(5 / 7)
     assert metrics["observation_tokens"] == pytest.approx(21 / 6)
     assert metrics["tool_call_limit_rows"] == pytest.approx(1 / 6)
+    assert metrics["tool_timeouts_per_sample"] == pytest.approx(1 / 6)
     assert metrics["pass_at_1"] == pytest.approx(0.5) and [r["tool_calls"] for r in rows] == [0, 2, 1]
