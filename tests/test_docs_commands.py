@@ -450,6 +450,15 @@ COMMANDS = {
     "megarl pipeline --config configs/tiny_pipeline.yaml --stages sft,rl train.run_dir=R train.seed=4321": (Validate(),),
     "megarl rl --config configs/tiny_ppo.yaml train.run_dir=R train.steps=40 train.eval_interval=20 rl.eval_prompts=200":
         (Validate(needs=("rm",)),),
+    # ---- docs/benchmarks.md: DAPO vs GRPO, tools with and without the calculator
+    "megarl sft --config configs/tiny_sft.yaml train.run_dir=R tracking.backend=none": (Validate(),),
+    "megarl rl --config configs/tiny_grpo.yaml train.run_dir=R train.seed=S data.seed=1234 rl.eval_prompts=200 "
+    "train.eval_interval=20": (Validate(needs=("sft",)),),
+    "megarl rl --config configs/tiny_dapo.yaml train.run_dir=R train.seed=S data.seed=1234 rl.eval_prompts=200 "
+    "train.eval_interval=20": (Validate(needs=("sft",)),),
+    "megarl sft --config configs/tiny_sft_tools.yaml train.run_dir=R data.synthetic.calculator=1.0": (Validate(),),
+    "megarl rl --config configs/tiny_grpo_tools.yaml train.run_dir=R data.synthetic.calculator=1.0 train.seed=S "
+    "data.seed=1234 train.steps=40 train.eval_interval=20 rl.eval_prompts=100": (Validate(needs=("sft",)),),
 }
 
 
