@@ -1,7 +1,6 @@
 """Tool calls in SFT data: GSM8K's `<<48/2=24>>` is a call (trained) and an observation (masked),
 tokenised as the rollout tokenises it; the synthetic task's calculator demonstrations."""
 import json
-import os
 
 import pytest
 

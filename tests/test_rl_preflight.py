@@ -86,7 +86,7 @@ def test_a_role_source_that_does_not_fit_is_one_line_naming_its_key(tmp_path, wh
     want = {"other_size": "the saved model does not match the configured one: model.num_layers=2 (config: 4)",
             "unsupported": "unsupported architectures ['GPT2LMHeadModel']",
             "scalar_head": "holds a scalar-head model (reward_model); the actor needs a language model"}[what]
-    assert any(e.startswith(f"roles.actor.init_from: ") and want in e for e in errs), errs
+    assert any(e.startswith("roles.actor.init_from: ") and want in e for e in errs), errs
     if what == "other_size":  # the SFT stage's model.init_from alike
         sft = _cfg(tmp_path, "configs/tiny_sft.yaml", f"model.init_from={src}")
         assert any(e.startswith("model.init_from: ") and want in e for e in data_setup.preflight(sft, "sft"))

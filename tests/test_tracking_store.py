@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from megarl.tracking import Tracker, replay_spill, replay_stage_spills  # noqa: E402
+from megarl.tracking import Tracker, replay_stage_spills  # noqa: E402
 from megarl.tracking.store import BrokenStore, prepare_store, store_problem  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)
