@@ -5,6 +5,7 @@
                                   [--prompts 8] [--samples 8] [--prompt-len 32] [--new-tokens 128]
                                   [--micro-batch 8] [--beta 0.04] [--old-logprobs rollout|recompute]
                                   [--no-trl] [--profile] [--workload default|realistic]
+                                  [--precision fp32|bf16]
 
 One random Llama is built with transformers (default init, seeded) and saved with a 32k-word
 WordLevel tokenizer (ids are words "w<id>"; its chat template renders the bare prompt, so both
@@ -25,7 +26,9 @@ EOS row of the LM head reads it, giving EOS a logit of about log(V / --mean-len)
 
 Both: `prompts` x `samples` rows, `new-tokens` sampled tokens at temperature 1, one PPO epoch, one
 optimizer step over micro-batches of `micro-batch` rows, KL-to-reference loss term (k3) with
-coefficient `beta`, fp32, the same rule reward (fraction of response words whose id ends in 7).
+coefficient `beta`, fp32 (or --precision bf16: megarl `train.precision=bf16`, bf16 weights with fp32
+main weights and gradient buffers in the optimizer; TRL loads the model in bf16 with `bf16=True`),
+the same rule reward (fraction of response words whose id ends in 7).
 No evaluation, logging or checkpointing happens inside a step (megarl: `step()` only; TRL:
 logging/save/eval strategies "no", report_to none). One warm-up step each, then `steps` timed
 steps, interleaved megarl, TRL, megarl, ... (TRL's worker blocks between steps in a callback, so
@@ -149,9 +152,9 @@ def build_megarl(args, model_dir: str, prompts_file: str, work: str):
         "rl.ppo_epochs=1", "rl.mini_batches=1", f"rl.micro_batch_size={args.micro_batch}",
         f"rl.kl_coef={args.beta}", "rl.kl_in=loss", "rl.kl_estimator=k3", "rl.clip_low=0.2", "rl.clip_high=0.2",
         "rl.loss_agg=token-mean", f"rl.reward_fn={os.path.abspath(__file__)}:reward",
-        f"rl.old_logprobs={args.old_logprobs}",
+        f"rl.old_logprobs={args.old_logprobs}", f"rl.packing={str(args.packing == 'on').lower()}",
         "optim.lr=1e-6", "optim.weight_decay=0.0", "optim.clip_grad=1.0", "lr_schedule.style=constant",
-        "train.precision=fp32", "train.seed=1", f"train.run_dir={work}", "tracking.backend=none",
+        f"train.precision={args.precision}", "train.seed=1", f"train.run_dir={work}", "tracking.backend=none",
         "checkpoint.save_interval=0"]
     cfg = load_config(os.path.join(ROOT, "megarl", "configs", "tiny_grpo.yaml"), overrides)
     init_distributed(1, 1, seed=cfg.train.seed)
@@ -168,7 +171,60 @@ def megarl_step(stage, step: int) -> dict:
     if m.get("train/skipped_steps"):
         raise RuntimeError(f"megarl skipped step {step}: {m}")
     return {"wall": wall, "cpu": cpu, "phases": {p: m.get(f"perf/{p}_s", 0.0) for p in PHASES},
-            "response_len": m["rollout/response_len_mean"], "reward": m["reward/mean"], "kl": m.get("kl/mean")}
+            "response_len": m["rollout/response_len_mean"], "prompt_len": m["rollout/prompt_len_mean"],
+            "reward": m["reward/mean"], "kl": m.get("kl/mean")}
+
+
+# ---------------------------------------------------------------------------------------------
+# The GEMM floor of the work a step needs
+
+
+def necessary_flops(args, prompt_len: float, response_len: float) -> dict:
+    """GEMM FLOPs of the work one GRPO step needs, per (linear, GEMM kind), at the step's mean
+    prompt and response lengths (linear layers' FLOPs are linear in the token count): the prompt
+    prefilled once per prompt (not per sample), one decode step per response token (every
+    layer + the LM head), the reference's forward and the actor's forward + backward over
+    prompt + response, the LM head only on the response columns; no padding. Old log-probs come
+    from the rollout (--old-logprobs rollout), so the actor scores nothing."""
+    from bench_gemm_floor import linears
+
+    rows = args.prompts * args.samples
+    flops = {}
+    for name, n, k in linears(args):
+        per_token = 2 * n * k * (1 if name == "lm head" else args.layers)
+        gen = (args.prompts * prompt_len + rows * response_len) if name != "lm head" else rows * response_len
+        tok = rows * (response_len if name == "lm head" else prompt_len + response_len)
+        flops[(name, "decode fwd")] = per_token * gen
+        flops[(name, "fwd")] = per_token * tok * 2  # reference scoring + training forward
+        flops[(name, "dgrad")] = per_token * tok
+        flops[(name, "wgrad")] = per_token * tok
+    return flops
+
+
+def gemm_rates(args, reps: int = 3) -> dict:
+    """Best fp32 GFLOP/s of F.linear (MKL, megarl's and TRL's CPU path; the fastest exact GEMM on
+    the machine measured in bench_gemm_floor.py) per (linear, kind), at the step's shapes (4,096
+    tokens for training, one decode step's rows), in this process."""
+    import torch
+    import torch.nn.functional as F
+    from bench_gemm_floor import linears, operands
+
+    g = torch.Generator().manual_seed(0)
+    rates = {}
+    for name, n, k in linears(args):
+        for kind in ("fwd", "dgrad", "wgrad", "decode fwd"):
+            x, w = operands(kind, args.prompts * args.samples if kind == "decode fwd" else 4096, n, k,
+                            torch.float32, g)
+            F.linear(x, w)
+            best = min(_time(lambda: F.linear(x, w)) for _ in range(reps))
+            rates[(name, kind)] = 2 * x.shape[0] * w.shape[0] * x.shape[1] / best / 1e9
+    return rates
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,7 +256,7 @@ class TRLWorker:
     def __init__(self, python: str, args, model_dir: str, prompts_file: str, work: str):
         cmd = [python, os.path.abspath(__file__), "--trl-worker", "--model-dir", model_dir,
                "--prompts-file", prompts_file, "--work", work]
-        for key in ("steps", "threads", "prompts", "samples", "new_tokens", "micro_batch", "beta"):
+        for key in ("steps", "threads", "prompts", "samples", "new_tokens", "micro_batch", "beta", "precision"):
             cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
         self.log_path = os.path.join(work, "trl_worker.log")
         self.log = open(self.log_path, "w")
@@ -258,7 +314,8 @@ def trl_worker(args) -> None:
         temperature=1.0, top_p=1.0, top_k=0, learning_rate=1e-6, weight_decay=0.0, max_grad_norm=1.0,
         lr_scheduler_type="constant", warmup_steps=0, max_steps=total_steps, seed=1, use_cpu=True,
         gradient_checkpointing=False,  # TRL's default (True) recomputes every layer; megarl does not
-        bf16=False, fp16=False, model_init_kwargs={"dtype": torch.float32}, loss_type="dapo",
+        bf16=args.precision == "bf16", fp16=False, loss_type="dapo",
+        model_init_kwargs={"dtype": torch.bfloat16 if args.precision == "bf16" else torch.float32},
         logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none",
         log_completions=False, disable_tqdm=True, dataloader_num_workers=0)
 
@@ -331,20 +388,22 @@ def summary(results: list[dict]) -> dict:
     walls, cpus = [r["wall"] for r in results], [r["cpu"] for r in results]
     phase_names = list(results[0]["phases"])
     return {"best": min(walls), "median": statistics.median(walls), "cpu_best": min(cpus),
-            "cpu_median": statistics.median(cpus),
+            "cpu_median": statistics.median(cpus), "cpu_mean": statistics.mean(cpus),
             "phases": {p: statistics.median(r["phases"][p] for r in results) for p in phase_names},
-            "response_len": statistics.mean(r["response_len"] for r in results)}
+            "response_len": statistics.mean(r["response_len"] for r in results),
+            "prompt_len": statistics.mean(r.get("prompt_len", 0.0) for r in results)}
 
 
-def report(args, mg: dict, trl: dict | None) -> None:
+def report(args, mg: dict, trl: dict | None, rates: dict | None = None) -> None:
     rows = args.prompts * args.samples
     prompt = f"{args.prompt_min}..{args.prompt_len}" if args.prompt_min != args.prompt_len else args.prompt_len
     ending = f" (up to; EOS, mean target {args.mean_len})" if args.workload == "realistic" else ""
     print(f"\n## RL step ({args.workload} workload): GRPO, {args.prompts} prompts x {args.samples} samples, "
           f"prompt {prompt} + {args.new_tokens}{ending} new tokens, Llama hidden {args.hidden}, ffn {args.ffn}, {args.layers} layers, "
-          f"{args.heads} heads ({args.kv_heads} KV), vocab {args.vocab}, fp32, 1 PPO epoch, 1 optimizer step "
+          f"{args.heads} heads ({args.kv_heads} KV), vocab {args.vocab}, {args.precision}, 1 PPO epoch, 1 optimizer step "
           f"of {rows // args.micro_batch} micro-batches x {args.micro_batch}, beta {args.beta}, "
-          f"{args.threads} thread(s), 1 warm-up + {args.steps} timed steps each, interleaved\n")
+          f"{args.threads} thread(s), 1 warm-up + {args.steps} timed steps each, interleaved; megarl "
+          f"rl.packing={args.packing == 'on'}\n")
     print("| framework | best s/step (wall) | median s/step (wall) | best CPU-s/step | median CPU-s/step "
           "| mean response length |")
     print("|---|---|---|---|---|---|")
@@ -368,6 +427,18 @@ def report(args, mg: dict, trl: dict | None) -> None:
         ms = f"{m:.2f} | {100 * m / mg['median']:.0f}%" if m is not None else "(in score_reference) | -"
         ts = f"{t:.2f} | {100 * t / trl['median']:.0f}%" if t is not None else "- | -"
         print(f"| {p} | {ms} | {ts} |")
+    if rates:
+        flops = necessary_flops(args, mg["prompt_len"], mg["response_len"])
+        floor = sum(v / 1e9 / rates[key] for key, v in flops.items())
+        gen = sum(v / 1e9 / rates[key] for key, v in flops.items() if key[1] == "decode fwd")
+        print(f"\nGEMM floor of the necessary work (megarl's mean prompt {mg['prompt_len']:.0f} + response "
+              f"{mg['response_len']:.0f} tokens; prefill once per prompt, no padding, no prompt logits): "
+              f"{sum(flops.values()) / 1e9:.0f} GFLOP at fp32 F.linear's best rates on these shapes = "
+              f"{floor:.2f} CPU-s per step (generation {gen:.2f}); megarl's mean CPU-s per step / floor "
+              f"(both at the steps' mean lengths: GEMM work is linear in them) = {mg['cpu_mean'] / floor:.2f}x "
+              f"(target <= 1.25x)"
+              + (f"; TRL {trl['cpu_mean'] / floor:.2f}x (its mean response {trl['response_len']:.0f} tokens)"
+                 if trl is not None else ""))
     tokens = rows * args.new_tokens
     print(f"\ngenerate: megarl {tokens / mg['phases']['generate']:.0f} new tokens/s"
           + (f", TRL {tokens / trl['phases']['generate']:.0f} new tokens/s" if trl is not None else "")
@@ -402,6 +473,11 @@ def main() -> None:
                     help="realistic: prompts 40..200 tokens, EOS-ended long-tailed responses up to 1024, "
                          "vocab 151936 at hidden 256 (set before other options apply)")
     ap.add_argument("--mean-len", type=int, default=200, help="realistic: target mean response length")
+    ap.add_argument("--packing", choices=("on", "off"), default=None,
+                    help="megarl's rl.packing (rows of a micro-batch in one sequence, no padding); "
+                         "default: on for the realistic workload (ragged rows), off for the default one")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="both frameworks' training precision (bf16: the same on both sides)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
@@ -412,6 +488,8 @@ def main() -> None:
         ap.set_defaults(**realistic)  # explicit options still win
     args = ap.parse_args()
     args.prompt_min = 40 if args.workload == "realistic" else args.prompt_len
+    if args.packing is None:
+        args.packing = "on" if args.workload == "realistic" else "off"
     if args.trl_worker:
         return trl_worker(args)
     if args.quick:
@@ -426,6 +504,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_gemm_floor
     python = None if args.no_trl else ensure_trl_venv(args.trl_spec)
     with tempfile.TemporaryDirectory(prefix="bench_rl_step_") as work:
         model_dir, prompts_file = build_assets(args, work)
@@ -437,17 +516,20 @@ def main() -> None:
             mg_runs, trl_runs = [], []
             for step in range(args.steps + 1):  # step 0: warm-up
                 r = megarl_step(stage, step)
-                print(f"step {step}{' (warm-up)' if step == 0 else ''}: megarl {r['wall']:.2f} s "
-                      f"({', '.join(f'{k} {v:.2f}' for k, v in r['phases'].items())})", flush=True)
+                print(f"step {step}{' (warm-up)' if step == 0 else ''}: megarl {r['wall']:.2f} s, {r['cpu']:.2f} CPU-s "
+                      f"({', '.join(f'{k} {v:.2f}' for k, v in r['phases'].items())}; mean prompt "
+                      f"{r['prompt_len']:.0f} + response {r['response_len']:.0f} tokens)", flush=True)
                 if step:
                     mg_runs.append(r)
                 if worker is not None:
                     t = worker.step()
-                    print(f"step {step}{' (warm-up)' if step == 0 else ''}: TRL {t['wall']:.2f} s "
-                          f"({', '.join(f'{k} {v:.2f}' for k, v in t['phases'].items())})", flush=True)
+                    print(f"step {step}{' (warm-up)' if step == 0 else ''}: TRL {t['wall']:.2f} s, {t['cpu']:.2f} CPU-s "
+                          f"({', '.join(f'{k} {v:.2f}' for k, v in t['phases'].items())}; mean response "
+                          f"{t['response_len']:.0f} tokens)", flush=True)
                     if step:
                         trl_runs.append(t)
-            report(args, summary(mg_runs), summary(trl_runs) if trl_runs else None)
+            rates = gemm_rates(args) if args.precision == "fp32" else None
+            report(args, summary(mg_runs), summary(trl_runs) if trl_runs else None, rates)
             if args.profile:
                 from torch.profiler import ProfilerActivity, profile
 

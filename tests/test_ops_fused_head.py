@@ -124,6 +124,33 @@ def test_no_logits_saved_for_backward_and_chunk_bounded(monkeypatch):
     assert max(widest) == chunk and len(widest) == 2 * -(-T // chunk)  # forward + backward chunks
 
 
+def test_one_chunk_keeps_its_logits_for_the_backward(monkeypatch):
+    """All tokens in one chunk: the backward reuses the forward's logits (one logits GEMM, not
+    two) and gives the same gradients as recomputing them; without grad nothing is kept."""
+    T, h, n = 40, 16, 300
+    x, w, t = make(T, h, n, seed=8, vocab_size=290)
+    calls = []
+    real = fused_head._chunk_logits
+    monkeypatch.setattr(fused_head, "_chunk_logits", lambda xc, ww, fp: calls.append(xc.shape[0]) or real(xc, ww, fp))
+    grads = {}
+    for chunk in (T, T - 1):  # one chunk (kept) vs two chunks (recomputed)
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        calls.clear()
+        lp, ent = linear_logprobs_and_entropy(xx, ww, t, vocab_size=290, chunk_size=chunk)
+        backprop_mix(lp, ent)
+        grads[chunk] = (calls[:], xx.grad, ww.grad)
+    assert grads[T][0] == [T] and grads[T - 1][0] == [T - 1, 1, T - 1, 1]
+    torch.testing.assert_close(grads[T][1], grads[T - 1][1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[T][2], grads[T - 1][2], rtol=1e-5, atol=1e-6)
+    kept = []
+    real_apply = fused_head._FusedLinearLogProbs.apply
+    monkeypatch.setattr(fused_head._FusedLinearLogProbs, "apply", lambda *a: kept.append(a[-1]) or real_apply(*a))
+    with torch.no_grad():  # scoring: no backward will come
+        linear_logprobs_and_entropy(x.clone().requires_grad_(), w.clone().requires_grad_(), t)
+    linear_logprobs_and_entropy(x, w, t)  # nothing requires grad
+    assert kept == [False, False]
+
+
 def test_input_validation():
     x, w, t = make(4, 8, 10)
     with pytest.raises(TypeError):

@@ -7,7 +7,8 @@ logits are reduced straight to the four row statistics of `logprobs.py` (max, su
 moment, target logit) and dropped. The TP reductions (one MAX, one packed SUM) run once over all
 tokens after the chunk loop, exactly as in `logprobs_and_entropy`. The backward recomputes each
 chunk's logits, turns them in place into their gradient, and accumulates grad(hidden) = dZ W and
-grad(W) += dZ^T X, so the peak extra memory is one chunk's logits whatever the token count.
+grad(W) += dZ^T X, so the peak extra memory is one chunk's logits whatever the token count
+(when every token fits in one chunk, that chunk is kept for the backward instead of recomputed).
 Same maths (and same dtypes: the GEMM runs in the inputs' dtype, the statistics in fp32) as
 output layer -> `mask_padded_vocab` -> `logprobs_and_entropy`.
 """
@@ -67,7 +68,8 @@ def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab
     step = chunk_size or max(1, _CHUNK_LOGIT_ELEMS // n)
     lp, ent = _FusedLinearLogProbs.apply(
         x, weight, t, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
-        1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad))
+        1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad),
+        torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # a backward may come
     return restore(lp), (restore(ent) if with_entropy else None)
 
 
@@ -112,17 +114,24 @@ class _FusedLinearLogProbs(torch.autograd.Function):
     """(x [N, h], w [n, h], targets [N]) -> (logprob [N], entropy [N]); saves 2 floats per token."""
 
     @staticmethod
-    def forward(ctx, x, w, t, group, vocab_start, padded, first_pad, inv_temp, ignore_index, step, reduce_grad):
+    def forward(ctx, x, w, t, group, vocab_start, padded, first_pad, inv_temp, ignore_index, step, reduce_grad,
+                keep_one):
         N = x.shape[0]
         m, s, mom, zt = torch.empty(4, N, dtype=torch.float32, device=x.device).unbind(0)
+        # All tokens in one chunk and a backward to come: keep that chunk's logits for it instead
+        # of recomputing them (the same peak, one chunk; one [N, h] x [h, n] GEMM fewer).
+        keep = keep_one and N <= step
+        z = None
         for r0 in range(0, N, step):
             r1 = min(N, r0 + step)
-            z = _chunk_logits(x[r0:r1], w, first_pad)                          # [c, n], dropped
+            z = _chunk_logits(x[r0:r1], w, first_pad)                          # [c, n]
             stats = _chunk_stats(z, t[r0:r1], vocab_start, padded, ignore_index, inv_temp)
             for dst, src in zip((m, s, mom, zt), stats):
                 dst[r0:r1] = src
-            del z
+            if not keep:
+                z = None  # dropped: the backward recomputes it
         lp, ent, lse = _reduce_and_finalize(m, s, mom, zt, t, padded, t == ignore_index, group)
+        ctx.kept_logits = z
         ctx.save_for_backward(x, w, t, lse, ent)
         ctx.consts = (group, vocab_start, first_pad, inv_temp, ignore_index, step, reduce_grad)
         ctx.set_materialize_grads(False)
@@ -135,7 +144,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         group, vocab_start, first_pad, inv_temp, ignore_index, step, reduce_grad = ctx.consts
         need_x, need_w = ctx.needs_input_grad[:2]
         if not (need_x or need_w) or (g_lp is None and g_ent is None):
-            return (None,) * 11
+            return (None,) * 12
         g_lp = None if g_lp is None else g_lp.float().contiguous()
         g_ent = None if g_ent is None else g_ent.float().contiguous()
         N = x.shape[0]
@@ -145,7 +154,9 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         for r0 in range(0, N, step):
             r1 = min(N, r0 + step)
             xc = x[r0:r1]
-            z = _chunk_logits(xc, w, first_pad)                                # [c, n]
+            z, ctx.kept_logits = ctx.kept_logits, None
+            if z is None:
+                z = _chunk_logits(xc, w, first_pad)                            # [c, n]
             dz = _chunk_grad(z, t[r0:r1], lse[r0:r1], ent[r0:r1],
                              None if g_lp is None else g_lp[r0:r1], None if g_ent is None else g_ent[r0:r1],
                              vocab_start, inv_temp, ignore_index)
@@ -164,4 +175,4 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             dist.all_reduce(gx, group=group)  # each rank's vocab shard adds its part of dL/dx
         if need_w and gw.dtype != w.dtype:
             gw = gw.to(w.dtype)
-        return gx, gw, None, None, None, None, None, None, None, None, None
+        return gx, gw, None, None, None, None, None, None, None, None, None, None

@@ -340,6 +340,7 @@ class RLStage(Stage):
             metrics.update(sampling)
         resp = (torch.tensor(exp.lengths) - exp.prompt_lens).double()
         metrics.update(dp_means({"rollout/response_len_mean": (resp.sum(), len(resp)),
+                                 "rollout/prompt_len_mean": (exp.prompt_lens.double().sum(), len(resp)),
                                  "rollout/stopped_fraction": (exp.stopped.double().sum(), len(resp))}))
         metrics["rollout/response_len_max"] = dp_max(float(resp.max()))
         metrics["rollout/generated_tokens"] = generated_tokens
@@ -370,7 +371,8 @@ class RLStage(Stage):
             with clock.phase("score_reward"):
                 values = collect_per_token(self.all_roles["reward"], exp, self._plan(exp.lengths),
                                            lambda b, o: per_row(b, o.squeeze(-1)), packed=r.packing)
-            rm = values[torch.arange(len(exp.lengths)), torch.tensor(exp.lengths) - 1]
+            rm = A.sequence_reward(values, exp.prompt_lens, torch.tensor(exp.lengths) - 1,
+                                   getattr(self.all_roles["reward"], "reward_pooling", "last"))
             scores += r.reward_model_coef * rm
             _add(pairs, "reward/model_mean", rm.double().sum(), len(rm))
         if r.overlong == "soft":
