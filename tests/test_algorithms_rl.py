@@ -8,7 +8,7 @@ from dist_helpers import run_distributed
 from megarl.algorithms import (AGG_MODES, AdaptiveKLController, FixedKLController, broadcast_to_tokens,
                                clip_rewards, explained_variance, gae_advantages, grpo_advantages, kl_estimate,
                                ppo_policy_loss, reinforce_advantages, reinforce_pp_returns, rloo_advantages,
-                               token_rewards, value_loss, whiten)
+                               sequence_reward, token_rewards, value_loss, whiten)
 
 torch.set_num_threads(1)
 
@@ -20,6 +20,32 @@ def gen(seed=0):
 def right_padded_mask(B, T, g, min_len=1):
     lens = torch.randint(min_len, T + 1, (B,), generator=g)
     return torch.arange(T)[None, :] < lens[:, None]
+
+
+# ------------------------------------------------------------------------------ reading a reward model
+
+def test_sequence_reward_last_and_mean_against_loops():
+    g = gen(11)
+    N, L = 7, 12
+    values = torch.randn(N, L, generator=g, dtype=torch.float64)
+    first = torch.randint(0, 6, (N,), generator=g)
+    last = first + torch.randint(0, L - 6, (N,), generator=g)
+    last[0] = first[0]  # a one-token response
+    got_last = sequence_reward(values.float(), first, last, "last")
+    got_mean = sequence_reward(values.float(), first, last, "mean")
+    for i in range(N):
+        f, e = int(first[i]), int(last[i])
+        assert got_last[i].item() == values[i, e].float().item()
+        ref = sum(float(values[i, t]) for t in range(f, e + 1)) / (e - f + 1)
+        assert abs(got_mean[i].item() - ref) < 1e-6
+    # columns outside [first, last] (prompt, padding) do not move the mean
+    noisy = values.clone()
+    noisy[:, :1] += 100.0 * (first[:, None] > 0)
+    torch.testing.assert_close(sequence_reward(noisy, first, last, "mean"), sequence_reward(values, first, last, "mean"))
+    with pytest.raises(ValueError, match="pooling must be one of last, mean"):
+        sequence_reward(values, first, last, "max")
+    with pytest.raises(ValueError, match="no response token"):
+        sequence_reward(values, last + 1, last, "mean")
 
 
 # ------------------------------------------------------------------------------ sequence advantages

@@ -42,7 +42,9 @@ def test_unknown_section_suggests_closest(tmp_path):
     ("optim:\n  lr: fast\n", "'optim.lr' expects a float; got str 'fast'"),
     ("data:\n  packing: 1\n", "'data.packing' expects a bool (true/false); got int 1"),
     ("train:\n  run_dir: 3\n", "'train.run_dir' expects a string; got int 3"),
-    ("lr_schedule:\n  style: cosinus\n", "'lr_schedule.style' must be one of 'constant', 'linear', 'cosine'; got str 'cosinus'"),
+    ("lr_schedule:\n  style: cosinus\n",
+     "'lr_schedule.style' must be one of 'constant', 'linear', 'cosine', 'wsd'; got str 'cosinus'"),
+    ("reward_model:\n  pooling: max\n", "'reward_model.pooling' must be one of 'last', 'mean'; got str 'max'"),
     ("model: 3\n", "'model' must be a mapping, got int 3"),
     ("roles:\n  actor:\n    model:\n      num_layers: x\n", "'roles.actor.model.num_layers' expects an int"),
 ])
@@ -166,6 +168,10 @@ RULES = [
     (["optim.fused=true"], 1, "optim.fused needs a GPU with Transformer Engine (its FusedAdam)"),
     (["lr_schedule.warmup_steps=50", "train.steps=50"], 1, "lr_schedule.warmup_steps (50) must be in [0, decay steps (50))"),
     (["lr_schedule.warmup_steps=10", "lr_schedule.decay_steps=5"], 1, "lr_schedule.warmup_steps (10) must be in [0, decay steps (5))"),
+    (["lr_schedule.style=wsd", "lr_schedule.wsd_decay_steps=0"], 1, "lr_schedule.wsd_decay_steps (0) must be in [1, "),
+    (["lr_schedule.style=wsd", "lr_schedule.warmup_steps=10", "train.steps=50", "lr_schedule.wsd_decay_steps=41"], 1,
+     "lr_schedule.wsd_decay_steps (41) must be in [1, decay steps - warmup (40)]"),
+    (["lr_schedule.wsd_decay_steps=10"], 1, "lr_schedule.wsd_decay_steps has no effect with lr_schedule.style=cosine"),
     (["data.num_workers=-1"], 1, "data.num_workers must be >= 0"),
     (["tokenizer.kind=hf"], 1, "tokenizer.kind=hf needs tokenizer.path"),
     (["checkpoint.keep_last=0"], 1, "checkpoint.keep_last must be >= 1"),
@@ -211,3 +217,30 @@ def test_distributed_optimizer_accepted_on_cpu(monkeypatch):
     for world in (1, 2, 4):
         cfg = load_config(None, ["parallel.distributed_optimizer=true", "train.precision=bf16", "data.global_batch_size=16"])
         assert check_config(cfg, world_size=world, cuda=False) == [], world
+
+
+def test_wsd_schedule_warms_up_holds_then_decays_linearly():
+    """lr_schedule.style=wsd: linear warm-up, the peak lr, then the last wsd_decay_steps (default
+    the last 20% after warm-up) linear to optim.min_lr, through megatron's scheduler."""
+    from megarl.config.schema import LRScheduleConfig, OptimConfig
+    from megarl.optim import build_scheduler
+
+    class Groups:
+        def __init__(self):
+            self.param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
+
+    def lrs(schedule, steps):
+        sched = build_scheduler(Groups(), OptimConfig(lr=1e-3, min_lr=1e-5), schedule, steps)
+        out = []
+        for _ in range(steps):
+            sched.step(1)
+            out.append(sched.optimizer.param_groups[0]["lr"])
+        return out
+
+    got = lrs(LRScheduleConfig(style="wsd", warmup_steps=10, wsd_decay_steps=30), 100)
+    assert got[4] == pytest.approx(5e-4) and got[9] == pytest.approx(1e-3)
+    assert all(x == pytest.approx(1e-3) for x in got[9:70])
+    for step in range(71, 101):  # step s (1-based) of the 30 decay steps: linear from 1e-3 to 1e-5
+        assert got[step - 1] == pytest.approx(1e-5 + (1e-3 - 1e-5) * (1 - (step - 70) / 30))
+    default = lrs(LRScheduleConfig(style="wsd", warmup_steps=0), 100)
+    assert default[79] == pytest.approx(1e-3) and default[80] < 1e-3 and default[-1] == pytest.approx(1e-5)

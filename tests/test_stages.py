@@ -65,6 +65,34 @@ def test_reward_model_ranks_held_out_pairs_above_90_percent(tmp_path):
     assert evals[-1]["eval/reward_gap"] > evals[0]["eval/reward_gap"] > 0
 
 
+def test_rm_pooling_is_saved_with_the_checkpoint_and_read_back_by_rl(tmp_path, monkeypatch):
+    """reward_model.pooling=mean trains on the mean over response tokens, the checkpoint's manifest
+    records it, and RL's reward role built from that checkpoint reads the model the same way."""
+    import json
+    import types
+
+    from megarl.config import load_config
+    from megarl.trainers import weights
+
+    run = tmp_path / "run"
+    megarl(rm_args(run, "reward_model.init_from=null", "reward_model.pooling=mean", "train.steps=2",
+                   "train.eval_interval=0", "checkpoint.save_interval=2"))
+    ckpt = run / "reward_model" / "checkpoints" / "step_00000002"
+    assert json.loads((ckpt / "megarl_manifest.json").read_text())["reward_pooling"] == {"reward_model": "mean"}
+    monkeypatch.setattr("megarl.checkpoint.distributed.load_weights", lambda *a, **k: None)
+    monkeypatch.setattr(weights, "load_weights", lambda *a, **k: None, raising=False)
+    cfg = load_config("configs/tiny_ppo.yaml", [f"train.run_dir={run}"])
+    role = types.SimpleNamespace(name="reward", head="scalar")
+    weights.load_role_weights(cfg, role, str(ckpt), "roles.reward.init_from")
+    assert role.reward_pooling == "mean"
+    megarl(rm_args(tmp_path / "last", "reward_model.init_from=null", "train.steps=2", "train.eval_interval=0",
+                   "checkpoint.save_interval=2"))
+    role = types.SimpleNamespace(name="reward", head="scalar")
+    weights.load_role_weights(cfg, role, str(tmp_path / "last" / "reward_model" / "checkpoints" / "step_00000002"),
+                              "roles.reward.init_from")
+    assert role.reward_pooling == "last"
+
+
 STEPS3 = ("train.steps=3", "train.eval_interval=0", "checkpoint.save_interval=0")
 
 

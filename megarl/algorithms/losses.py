@@ -35,6 +35,31 @@ def masked_mse(values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor):
     return loss_sum, count, {"value_loss": _metric(loss_sum, count)}
 
 
+REWARD_POOLING = ("last", "mean")
+
+
+def sequence_reward(values: torch.Tensor, first: torch.Tensor, last: torch.Tensor, pooling: str = "last"):
+    """A reward model's per-token values [N, L] -> one reward per sequence [N].
+
+    first, last: [N] columns of each row's first and last response token (inclusive).
+    "last": the value at the last token, the usual reading (it has attended to everything).
+    "mean": the mean over the response tokens; every response position reports what it sees
+    locally, so evidence that sits at one token (a misread quantity in line 1 of 3) reaches the
+    reward without being carried to the end by attention first.
+    """
+    rows = torch.arange(values.shape[0], device=values.device)
+    if pooling == "last":
+        return values[rows, last]
+    if pooling != "mean":
+        raise ValueError(f"pooling must be one of {', '.join(REWARD_POOLING)}, got {pooling!r}")
+    cols = torch.arange(values.shape[1], device=values.device)
+    inside = (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])  # [N, L]
+    n = inside.sum(1)
+    if (n == 0).any():
+        raise ValueError("sequence_reward: a row has no response token (first > last)")
+    return (values * inside.to(values.dtype)).sum(1) / n.to(values.dtype)
+
+
 def bradley_terry(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: float = 0.0, center_coef: float = 0.0):
     """Pairwise reward-model loss: -log sigmoid(r_c - r_r - margin) [+ coef * (r_c + r_r)^2].
 

@@ -154,10 +154,12 @@ def save_checkpoint(root: str, step: int, roles: dict, state: dict, keep_last: i
     sd = _sharded_state_dict(roles, dict(state, step=step), _rng_state(), is_loading=False)
 
     shapes = {n: model_shape(r.model_cfg) for n, r in roles.items() if getattr(r, "model_cfg", None) is not None}
+    # how a reward model is read (algorithms.losses.sequence_reward), so that RL reads it the same way
+    pooling = {n: r.reward_pooling for n, r in roles.items() if getattr(r, "reward_pooling", None)}
 
     def publish():
         with disk_full_named(root, tmp, step):
-            _publish(root, tmp, final, step, sorted(roles), keep_last, shapes)
+            _publish(root, tmp, final, step, sorted(roles), keep_last, shapes, pooling)
         if on_durable is not None:
             on_durable(final)
 
@@ -269,7 +271,7 @@ def _load_one_line(load, path: str):
 
 
 def _publish(root: str, tmp: str, final: str, step: int, role_names: list, keep_last: int,
-             shapes: dict | None = None) -> None:
+             shapes: dict | None = None, pooling: dict | None = None) -> None:
     """Make the written `tmp` durable and the newest checkpoint: fsync, manifest, rename, latest."""
     barrier()
     if is_rank0():
@@ -277,6 +279,8 @@ def _publish(root: str, tmp: str, final: str, step: int, role_names: list, keep_
         files = _fsync_tree(tmp)
         manifest = {"step": step, "layout": _layout(), "roles": role_names, "files": files, "run": run,
                     "models": shapes or {}}
+        if pooling:
+            manifest["reward_pooling"] = pooling
         write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -284,6 +288,16 @@ def _publish(root: str, tmp: str, final: str, step: int, role_names: list, keep_
         for old in stale_checkpoints(root, run, step, keep_last):
             shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     barrier()
+
+
+def saved_reward_pooling(path: str, role_name: str) -> str:
+    """How the reward model `role_name` saved in step dir `path` reads its per-token values into
+    one reward ("last" for checkpoints without the record, HF directories and older megarl)."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            return (json.load(f).get("reward_pooling") or {}).get(role_name, "last")
+    except (OSError, ValueError, AttributeError):
+        return "last"
 
 
 def _manifest_run(path: str) -> str | None:

@@ -64,9 +64,12 @@ class OptimConfig:
 
 @dataclass
 class LRScheduleConfig:
-    style: Literal["constant", "linear", "cosine"] = "cosine"
+    # wsd: warmup-stable-decay, the peak lr until the last `wsd_decay_steps` of decay_steps, then
+    # linear to optim.min_lr (a run that sits on a plateau keeps its full lr until it has left it)
+    style: Literal["constant", "linear", "cosine", "wsd"] = "cosine"
     warmup_steps: int = 0
     decay_steps: Optional[int] = None  # None: decay over train.steps - warmup
+    wsd_decay_steps: Optional[int] = None  # style wsd: the final steps that decay (None: the last 20%)
 
 
 @dataclass
@@ -221,6 +224,9 @@ class RewardModelConfig:
     margin: float = 0.0
     center_coef: float = 0.0  # + coef * (r_chosen + r_rejected)^2 keeps rewards centred at 0
     freeze_backbone: bool = False  # train only the scalar head (a remedy for RM overfitting)
+    # which tokens give the reward: "last" (the last token, as HF sequence classifiers read it) or
+    # "mean" (the mean over the response tokens); saved with the checkpoint, RL reads it the same way
+    pooling: Literal["last", "mean"] = "last"
     # "sft": <run_dir>/sft/checkpoints/latest; a path: that checkpoint; null: model.init_from
     # (an HF directory or checkpoint) when set, else random init
     init_from: Optional[str] = "sft"

@@ -279,6 +279,11 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: 
     if s.warmup_steps < 0 or s.warmup_steps >= decay:
         errs.append(f"lr_schedule.warmup_steps ({s.warmup_steps}) must be in [0, decay steps ({decay})): "
                     "set lr_schedule.decay_steps or train.steps above it")
+    if s.wsd_decay_steps is not None and not 0 < s.wsd_decay_steps <= decay - s.warmup_steps:
+        errs.append(f"lr_schedule.wsd_decay_steps ({s.wsd_decay_steps}) must be in [1, decay steps - warmup "
+                    f"({decay - s.warmup_steps})]")
+    if s.wsd_decay_steps is not None and s.style != "wsd":
+        errs.append(f"lr_schedule.wsd_decay_steps has no effect with lr_schedule.style={s.style}; set style=wsd or remove it")
 
     if d.loader == "dali" and not has_module("nvidia.dali"):
         errs.append(f"data.loader=dali needs NVIDIA DALI: {DALI_HINT}")

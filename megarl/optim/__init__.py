@@ -113,11 +113,16 @@ def build_scheduler(optimizer, o: OptimConfig, s: LRScheduleConfig, train_steps:
     """Megatron's OptimizerParamScheduler, stepping once per optimizer step.
 
     'constant' keeps lr after warmup; 'linear' and 'cosine' decay to min_lr at decay_steps
-    (counted from step 0, warmup included, as in Megatron-LM).
+    (counted from step 0, warmup included, as in Megatron-LM); 'wsd' holds lr until the last
+    wsd_decay_steps before decay_steps, then decays linearly to min_lr (Megatron's WSD).
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     decay_steps = s.decay_steps if s.decay_steps is not None else train_steps
+    wsd = {}
+    if s.style == "wsd":
+        anneal = s.wsd_decay_steps or max(1, (decay_steps - s.warmup_steps) // 5)
+        wsd = {"wsd_decay_steps": anneal, "lr_wsd_decay_style": "linear"}
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if s.warmup_steps > 0 else o.lr,
@@ -125,9 +130,10 @@ def build_scheduler(optimizer, o: OptimConfig, s: LRScheduleConfig, train_steps:
         min_lr=o.min_lr,
         lr_warmup_steps=s.warmup_steps,
         lr_decay_steps=max(decay_steps, s.warmup_steps + 1),
-        lr_decay_style=s.style,
+        lr_decay_style="WSD" if s.style == "wsd" else s.style,
         start_wd=o.weight_decay,
         end_wd=o.weight_decay,
         wd_incr_steps=max(train_steps, 1),
         wd_incr_style="constant",
+        **wsd,
     )

@@ -1,4 +1,5 @@
-"""Reward-model training: a scalar-head model read at the last token, Bradley-Terry loss.
+"""Reward-model training: a scalar-head model read at the last token (or averaged over the
+response, reward_model.pooling=mean), Bradley-Terry loss.
 
     megarl rm --config configs/tiny_rm.yaml [key=value ...]
 
@@ -12,7 +13,7 @@ import os
 
 import torch
 
-from megarl.algorithms.losses import bradley_terry
+from megarl.algorithms.losses import bradley_terry, sequence_reward
 from megarl.checkpoint.distributed import MANIFEST, load_weights, resolve_checkpoint
 from megarl.config import Config, ConfigError
 from megarl.roles.role import Role
@@ -30,7 +31,9 @@ def pair_batch(b: dict) -> dict:
     return {"tokens": torch.cat([b["chosen_tokens"], b["rejected_tokens"]]),
             "position_ids": torch.cat([b["chosen_position_ids"], b["rejected_position_ids"]]),
             "attention_mask": None,
-            "last": torch.cat([b["chosen_last"], b["rejected_last"]])}
+            "last": torch.cat([b["chosen_last"], b["rejected_last"]]),
+            # first response token: the column after the first one whose label is a response token
+            "first": torch.cat([b["chosen_loss_mask"], b["rejected_loss_mask"]]).argmax(1) + 1}
 
 
 class PairIterator:
@@ -52,10 +55,10 @@ class PairIterator:
         self.it.load_state_dict(state)
 
 
-def rm_loss(margin: float, center_coef: float):
+def rm_loss(margin: float, center_coef: float, pooling: str = "last"):
     def loss_fn(batch, values):  # values [2n, s, 1]
         v = values.squeeze(-1)
-        r = v[torch.arange(v.shape[0]), batch["last"]]  # [2n] reward at each last token
+        r = sequence_reward(v, batch["first"], batch["last"], pooling)  # [2n] one reward per sequence
         chosen, rejected = r.chunk(2)
         loss_sum, count, metrics = bradley_terry(chosen, rejected, margin, center_coef)
         metrics["pair_accuracy"] = metrics.pop("accuracy")  # SFT's is per token: one name, one meaning
@@ -92,7 +95,8 @@ def build_stage(cfg: Config, stage_dir: str) -> SupervisedStage:
         log.info("reward model backbone initialised from %s", cfg.model.init_from)
     train = PairIterator(data_setup.train_iterator(cfg, paths["train"], "preferences", tok, stage_dir))
     eval_ds = data_setup.dataset(cfg, paths["eval"], "preferences", tok) if paths["eval"] else None
-    loss = rm_loss(r.margin, r.center_coef)
+    role.reward_pooling = r.pooling  # saved in the checkpoint's manifest: RL reads it the same way
+    loss = rm_loss(r.margin, r.center_coef, r.pooling)
 
     def evaluate():
         mbs = [pair_batch(b) for b in data_setup.eval_microbatches(cfg, eval_ds)]

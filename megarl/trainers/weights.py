@@ -107,6 +107,10 @@ def load_role_weights(cfg: Config, role, source: str, key: str) -> str:
     if saved_head == "scalar" and role.head == "lm":
         raise ConfigError(f"{key}: {path} holds a scalar-head model ({name}); the {role.name} needs a language model")
     load_weights(path, role, saved_role=name, skip_head=saved_head != role.head)
+    if role.name == "reward":  # read it the way it was trained (reward_model.pooling)
+        from megarl.checkpoint.distributed import saved_reward_pooling
+
+        role.reward_pooling = saved_reward_pooling(path, name)
     return path
 
 
