@@ -5,7 +5,7 @@
                                   [--prompts 8] [--samples 8] [--prompt-len 32] [--new-tokens 128]
                                   [--micro-batch 8] [--beta 0.04] [--old-logprobs rollout|recompute]
                                   [--no-trl] [--profile] [--workload default|realistic]
-                                  [--precision fp32|bf16]
+                                  [--precision fp32|bf16] [--packing on|off] [--mean-len 200]
 
 One random Llama is built with transformers (default init, seeded) and saved with a 32k-word
 WordLevel tokenizer (ids are words "w<id>"; its chat template renders the bare prompt, so both
