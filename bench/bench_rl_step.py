@@ -208,6 +208,7 @@ def gemm_rates(args, reps: int = 3) -> dict:
     import torch
     import torch.nn.functional as F
     from bench_gemm_floor import linears, operands
+    from timing import best_wall_and_cpu
 
     g = torch.Generator().manual_seed(0)
     rates = {}
@@ -215,16 +216,10 @@ def gemm_rates(args, reps: int = 3) -> dict:
         for kind in ("fwd", "dgrad", "wgrad", "decode fwd"):
             x, w = operands(kind, args.prompts * args.samples if kind == "decode fwd" else 4096, n, k,
                             torch.float32, g)
-            F.linear(x, w)
-            best = min(_time(lambda: F.linear(x, w)) for _ in range(reps))
+            F.linear(x, w)  # warm-up
+            best, _ = best_wall_and_cpu(lambda: F.linear(x, w), reps)
             rates[(name, kind)] = 2 * x.shape[0] * w.shape[0] * x.shape[1] / best / 1e9
     return rates
-
-
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,7 +499,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_gemm_floor
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_gemm_floor, timing
     python = None if args.no_trl else ensure_trl_venv(args.trl_spec)
     with tempfile.TemporaryDirectory(prefix="bench_rl_step_") as work:
         model_dir, prompts_file = build_assets(args, work)

@@ -43,9 +43,9 @@ def main():
     pooling = saved_reward_pooling(path, "reward_model")
     tok = data_setup.tokenizer(cfg)
 
-    def reward(prompt: str, response: str) -> float:
+    def reward(prompt: str, response: str, first: int) -> float:
+        """first: the column of the response's first token (the rendered prompt's length)."""
         ids, _ = tok.encode_chat([{"role": "user", "content": prompt}, {"role": "assistant", "content": response}])
-        first = len(tok.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)[0])
         with torch.no_grad():
             values = role.model(torch.tensor([ids]), torch.arange(len(ids))[None], None)[..., 0]  # [1, s]
         return sequence_reward(values, torch.tensor([first]), torch.tensor([len(ids) - 1]), pooling).item()
@@ -59,7 +59,8 @@ def main():
             chosen, rejected = rec["chosen"].split("\n"), rec["rejected"].split("\n")
             wrong = next((i for i, (c, r) in enumerate(zip(chosen, rejected)) if c != r), len(chosen) - 1)
             kind = f"{len(chosen) - 1} line(s) of arithmetic, wrong from line {wrong + 1}"
-            ok = reward(rec["prompt"], rec["chosen"]) > reward(rec["prompt"], rec["rejected"])
+            first = len(tok.encode_chat([{"role": "user", "content": rec["prompt"]}], add_generation_prompt=True)[0])
+            ok = reward(rec["prompt"], rec["chosen"], first) > reward(rec["prompt"], rec["rejected"], first)
             for key in (kind, "all"):
                 right[key] += ok
                 total[key] += 1

@@ -44,6 +44,9 @@ def test_sequence_reward_last_and_mean_against_loops():
     torch.testing.assert_close(sequence_reward(noisy, first, last, "mean"), sequence_reward(values, first, last, "mean"))
     with pytest.raises(ValueError, match="pooling must be one of last, mean"):
         sequence_reward(values, first, last, "max")
+    assert torch.equal(sequence_reward(values, None, last, "last"), values[torch.arange(N), last])
+    with pytest.raises(ValueError, match="needs each row's first response column"):
+        sequence_reward(values, None, last, "mean")
     with pytest.raises(ValueError, match="no response token"):
         sequence_reward(values, last + 1, last, "mean")
 

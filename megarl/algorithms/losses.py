@@ -38,10 +38,11 @@ def masked_mse(values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor):
 REWARD_POOLING = ("last", "mean")
 
 
-def sequence_reward(values: torch.Tensor, first: torch.Tensor, last: torch.Tensor, pooling: str = "last"):
+def sequence_reward(values: torch.Tensor, first: torch.Tensor | None, last: torch.Tensor, pooling: str = "last"):
     """A reward model's per-token values [N, L] -> one reward per sequence [N].
 
-    first, last: [N] columns of each row's first and last response token (inclusive).
+    first, last: [N] columns of each row's first and last response token (inclusive); "last"
+    reads no first column (None is fine there).
     "last": the value at the last token, the usual reading (it has attended to everything).
     "mean": the mean over the response tokens; every response position reports what it sees
     locally, so evidence that sits at one token (a misread quantity in line 1 of 3) reaches the
@@ -52,6 +53,8 @@ def sequence_reward(values: torch.Tensor, first: torch.Tensor, last: torch.Tenso
         return values[rows, last]
     if pooling != "mean":
         raise ValueError(f"pooling must be one of {', '.join(REWARD_POOLING)}, got {pooling!r}")
+    if first is None:
+        raise ValueError("sequence_reward: pooling=mean needs each row's first response column")
     cols = torch.arange(values.shape[1], device=values.device)
     inside = (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])  # [N, L]
     n = inside.sum(1)

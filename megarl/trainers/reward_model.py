@@ -58,8 +58,7 @@ class PairIterator:
 def rm_loss(margin: float, center_coef: float, pooling: str = "last"):
     def loss_fn(batch, values):  # values [2n, s, 1]
         v = values.squeeze(-1)
-        first = batch["first"] if pooling == "mean" else batch["last"]  # "last" reads no first column
-        r = sequence_reward(v, first, batch["last"], pooling)  # [2n] one reward per sequence
+        r = sequence_reward(v, batch.get("first"), batch["last"], pooling)  # [2n] one reward per sequence
         chosen, rejected = r.chunk(2)
         loss_sum, count, metrics = bradley_terry(chosen, rejected, margin, center_coef)
         metrics["pair_accuracy"] = metrics.pop("accuracy")  # SFT's is per token: one name, one meaning
