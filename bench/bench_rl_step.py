@@ -165,14 +165,21 @@ PHASES = ("generate", "score_actor", "score_reference", "advantages", "train_act
 
 
 def megarl_step(stage, step: int) -> dict:
+    seen = []
+    generate = stage.engine.generate
+    stage.engine.generate = lambda *a, **k: seen.append(generate(*a, **k)) or seen[-1]  # keep the rollout
     t0, c0 = time.perf_counter(), time.process_time()
-    m = stage.step(step)
+    try:
+        m = stage.step(step)
+    finally:
+        stage.engine.generate = generate
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     if m.get("train/skipped_steps"):
         raise RuntimeError(f"megarl skipped step {step}: {m}")
     return {"wall": wall, "cpu": cpu, "phases": {p: m.get(f"perf/{p}_s", 0.0) for p in PHASES},
             "response_len": m["rollout/response_len_mean"], "prompt_len": m["rollout/prompt_len_mean"],
-            "reward": m["reward/mean"], "kl": m.get("kl/mean")}
+            "reward": m["reward/mean"], "kl": m.get("kl/mean"),
+            "response_lens": [int(n) for r in seen for n in r.response_lens]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,15 +218,40 @@ def gemm_rates(args, reps: int = 3) -> dict:
     from timing import best_wall_and_cpu
 
     g = torch.Generator().manual_seed(0)
+    rows = args.prompts * args.samples
     rates = {}
     for name, n, k in linears(args):
         for kind in ("fwd", "dgrad", "wgrad", "decode fwd"):
-            x, w = operands(kind, args.prompts * args.samples if kind == "decode fwd" else 4096, n, k,
-                            torch.float32, g)
+            x, w = operands(kind, rows if kind == "decode fwd" else 4096, n, k, torch.float32, g)
             F.linear(x, w)  # warm-up
             best, _ = best_wall_and_cpu(lambda: F.linear(x, w), reps)
             rates[(name, kind)] = 2 * x.shape[0] * w.shape[0] * x.shape[1] / best / 1e9
+        w = torch.randn(n, k, generator=g)
+        wt = w.t().contiguous()  # the same product with the weight stored input-major
+        for m in range(1, rows + 1):  # a decode step with m live rows: memory-bound at small m
+            x = torch.randn(m, k, generator=g)
+            F.linear(x, w), x @ wt
+            # seconds; the better of two layouts: MKL's sgemm on [m, k] x [n, k]^T is up to 1.8x slower
+            # at m = 4..8 than at m = 16 on this machine (measured), which no engine need pay
+            rates[(name, "decode fwd", m)] = min(best_wall_and_cpu(lambda: F.linear(x, w), reps)[0],
+                                                 best_wall_and_cpu(lambda: x @ wt, reps)[0])
     return rates
+
+
+def decode_step_floor(args, rates: dict, response_lens: list[int]) -> float:
+    """Seconds of the GEMMs of one rollout's decode steps when every step runs only its live rows:
+    step t >= 1 (token 0 comes from the prefill) has m_t = #responses longer than t rows, and costs
+    each linear's measured F.linear time at m_t rows. At a fixed batch the long tail's steps run
+    1-2 rows, where the LM head's GEMM is bound by reading its weight (V x hidden), not by FLOPs:
+    this is the least any engine spends decoding these lengths without more prompts to batch."""
+    from bench_gemm_floor import linears
+
+    total = 0.0
+    for t in range(1, max(response_lens, default=0)):
+        m = sum(n > t for n in response_lens)
+        total += sum(rates[(name, "decode fwd", m)] * (1 if name == "lm head" else args.layers)
+                     for name, _, _ in linears(args))
+    return total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,6 +418,7 @@ def summary(results: list[dict]) -> dict:
             "cpu_median": statistics.median(cpus), "cpu_mean": statistics.mean(cpus),
             "phases": {p: statistics.median(r["phases"][p] for r in results) for p in phase_names},
             "response_len": statistics.mean(r["response_len"] for r in results),
+            "response_lens": [r["response_lens"] for r in results if "response_lens" in r],
             "prompt_len": statistics.mean(r.get("prompt_len", 0.0) for r in results)}
 
 
@@ -434,6 +467,18 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None) -> None:
               f"(target <= 1.25x)"
               + (f"; TRL {trl['cpu_mean'] / floor:.2f}x (its mean response {trl['response_len']:.0f} tokens)"
                  if trl is not None else ""))
+        if mg["response_lens"]:
+            # prefill once per prompt at the training GEMMs' rate, then the decode steps as they come
+            prefill = sum(v / 1e9 / rates[(key[0], "fwd")] * args.prompts * mg["prompt_len"]
+                          / (args.prompts * mg["prompt_len"] + rows * mg["response_len"])
+                          for key, v in flops.items() if key[1] == "decode fwd" and key[0] != "lm head")
+            steps = statistics.mean(decode_step_floor(args, rates, lens) for lens in mg["response_lens"]) + prefill
+            print(f"\nGeneration at this batch's own decode steps (step t runs only its live rows, each linear "
+                  f"at F.linear's measured time for that many rows; the long tail's 1-2-row steps are bound by "
+                  f"reading the LM head's weight, which the FLOP floor above does not count): {steps:.2f} "
+                  f"CPU-s per step; megarl's generate phase {mg['phases']['generate']:.2f} s (median) = "
+                  f"{mg['phases']['generate'] / steps:.2f}x. The whole step against the floor with this "
+                  f"generation floor ({floor - gen + steps:.2f} CPU-s): megarl {mg['cpu_mean'] / (floor - gen + steps):.2f}x")
     tokens = rows * args.new_tokens
     print(f"\ngenerate: megarl {tokens / mg['phases']['generate']:.0f} new tokens/s"
           + (f", TRL {tokens / trl['phases']['generate']:.0f} new tokens/s" if trl is not None else "")

@@ -314,3 +314,40 @@ def test_single_pass_logprobs_equal_megarl_ops(temperature, top_k, top_p, greedy
     ids_only, none = sample_tokens(filtered, SamplingParams(**{**params.__dict__, "logprobs": False}),
                                    row_uniforms(1, torch.arange(64), 0), with_logprobs=False)
     assert none is None and torch.equal(ids_only, ids)
+
+
+@pytest.mark.parametrize("vocab", [300, 2048, 5000, 151936])
+def test_two_level_inverse_cdf_equals_one_full_cumsum(vocab):
+    """The block-then-id draw picks the same ids as one fp64 cumsum over the vocabulary (float64
+    reference), with and without zero-mass ids (top-k), whatever the vocabulary's tail block."""
+    from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens
+
+    g = torch.Generator().manual_seed(vocab)
+    for params in (SamplingParams(), SamplingParams(top_k=37, temperature=0.8)):
+        logits = torch.randn(32, vocab, generator=g) * 4
+        filtered = filter_logits(logits, params)
+        u = row_uniforms(vocab, torch.arange(32), 7)
+        ids, lp = sample_tokens(filtered, params, u)
+        z = filtered.double() / params.temperature
+        e = torch.exp(z - z.amax(-1, keepdim=True))
+        cdf = torch.cumsum(e, -1)
+        ref = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        assert torch.equal(ids, ref)
+        assert torch.isfinite(filtered.gather(1, ids[:, None])).all(), "a zero-mass id was drawn"
+        assert torch.allclose(lp.double(), torch.log_softmax(z, -1).gather(1, ids[:, None]).squeeze(1), atol=1e-5)
+
+
+def test_two_level_inverse_cdf_never_draws_zero_mass_at_the_edges():
+    """u at its largest (1 - 2^-40) and at 0, mass only in the last id of a block or of the tail:
+    the id drawn is always one of positive mass."""
+    from megarl.rollout.sampling import _CDF_BLOCK, _inverse_cdf
+
+    V = 3 * _CDF_BLOCK + 17
+    for hot in (0, _CDF_BLOCK - 1, _CDF_BLOCK, 2 * _CDF_BLOCK + 5, V - 1):
+        e = torch.zeros(2, V)
+        e[:, hot] = 1.0
+        e[1, V - 1] = 1e-30  # a second, tiny mass after it
+        u = torch.tensor([1 - 2.0 ** -40, 0.0], dtype=torch.float64)
+        ids, total = _inverse_cdf(e, u)
+        assert (e.gather(1, ids[:, None]) > 0).all(), (hot, ids)
+        assert int(ids[1]) == hot and total[0] == 1.0
