@@ -123,8 +123,9 @@ _CDF_BLOCK = 2048  # vocabulary ids per block of the two-level inverse CDF
 
 def _inverse_cdf(e: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse-CDF draw in id order from unnormalised probabilities e [N, V] >= 0: (ids [N], total
-    [N] fp64). The first id whose cumulative mass exceeds u * total, found in two levels: fp64 sums
-    of blocks of _CDF_BLOCK ids pick the block, a cumulative sum inside that block alone picks the id.
+    [N] fp64). The first id whose cumulative mass exceeds u * total, found in two levels: the sums of
+    blocks of _CDF_BLOCK ids, accumulated in fp64, pick the block; a cumulative sum inside that block
+    alone picks the id.
     The same draw as one fp64 cumsum over V up to rounding (the block sums are fp32 sums of at most
     _CDF_BLOCK terms), at a fraction of its cost per decode step at a 152k vocabulary.
     Never returns an id of zero mass: the block and the id are each the first whose cumulative
