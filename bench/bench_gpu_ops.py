@@ -208,21 +208,14 @@ def bench_rl_step(args, bf16_peak_flops):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_rl_step as rl
 
-    import megarl.config
-
     new_tokens = 64 if args.quick else 256
     shape = argparse.Namespace(hidden=2048, ffn=5632, layers=16, heads=16, kv_heads=8, vocab=32000, prompts=8,
                                samples=8, prompt_len=128, new_tokens=new_tokens, micro_batch=8, beta=0.04,
-                               old_logprobs="recompute", max_pos=128 + new_tokens)
+                               old_logprobs="recompute", max_pos=128 + new_tokens, workload="default",
+                               prompt_min=128, packing="off", precision="bf16")  # the GPU's precision
     with tempfile.TemporaryDirectory() as work:
         model_dir, prompts_file = rl.build_assets(shape, work)
-        # bench_rl_step's CPU comparison runs fp32; here the GPU's precision: bf16
-        real = megarl.config.load_config
-        megarl.config.load_config = lambda path, overrides: real(path, [*overrides, "train.precision=bf16"])
-        try:
-            stage = rl.build_megarl(shape, model_dir, prompts_file, work)
-        finally:
-            megarl.config.load_config = real
+        stage = rl.build_megarl(shape, model_dir, prompts_file, work)
         stage.step(1)  # warm-up: allocations, kernel selection
         torch.cuda.synchronize()
         t0 = time.perf_counter()

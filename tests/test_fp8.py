@@ -6,6 +6,7 @@ checkpoints (bit-exact resume, loading into BF16).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import types
 
@@ -21,6 +22,10 @@ H100 = DeviceInfo(True, "NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30, "2.9.0")
 B200 = DeviceInfo(True, "NVIDIA B200", (10, 0), 180 * 2**30, "2.9.0")
 ON = FP8Config(format="e4m3")
 MODEL = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=2)
+
+# FP8 is Transformer Engine's: a GPU without it (pip install -e .[gpu]) skips these with a reason
+needs_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                              reason="needs Transformer Engine (pip install -e .[gpu])")
 
 
 def errors(f: FP8Config = ON, device: DeviceInfo = H100, model: ModelConfig = MODEL, parallel=None,
@@ -330,6 +335,7 @@ def test_validate_prints_the_memory_estimate_for_a_gpu_target(capsys):
 
 
 @pytest.mark.gpu
+@needs_te
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_te_recipe_is_the_one_megatron_core_builds(recipe):
     """With TE installed: models/fp8.te_recipe and megatron-core's get_fp8_recipe (what the layers
@@ -358,6 +364,7 @@ def _sft(run_dir, *extra):
 
 
 @pytest.mark.gpu
+@needs_te
 def test_fp8_sft_loss_curve_tracks_bf16_over_50_steps(tmp_path):
     """Tolerance: every step's loss within 10% (relative) of BF16's, the mean of the last 10 steps
     within 3%: FP8 rounding (hybrid, delayed scaling) of a 4-layer model moves single steps by a few
@@ -407,6 +414,7 @@ def _rl_precision_body(rank, world_size):
 
 
 @pytest.mark.gpu
+@needs_te
 def test_rl_step_in_fp8_with_bf16_generation(tmp_path):
     from dist_helpers import run_distributed
     from megarl_run import megarl, metrics
@@ -426,6 +434,7 @@ def test_rl_step_in_fp8_with_bf16_generation(tmp_path):
 
 
 @pytest.mark.gpu
+@needs_te
 def test_fp8_checkpoint_resumes_bit_exactly_and_loads_into_bf16(tmp_path):
     """Delayed scaling keeps an amax history in TE's module state: a resumed run equals an uninterrupted
     one only if the checkpoint carries it. The FP8 checkpoint then starts a BF16 run."""

@@ -294,7 +294,8 @@ def test_cuda_chunks_use_kernels_and_match_cpu(dtype):
     x, w, t = make(70, 32, 520, seed=12, vocab_size=500, dtype=dtype)
     grads = {}
     for device in ("cpu", "cuda"):
-        xd, wd = x.to(device).requires_grad_(), w.to(device).requires_grad_()
+        # detach: x.to("cpu") is x itself, and a grad-requiring x would make the CUDA copy a non-leaf
+        xd, wd = x.detach().to(device).requires_grad_(), w.detach().to(device).requires_grad_()
         lp, ent = linear_logprobs_and_entropy(xd, wd, t.to(device), vocab_size=500, chunk_size=16)
         (lp.sum() - 0.3 * ent.sum()).backward()
         grads[device] = [v.detach().float().cpu() for v in (lp, ent, xd.grad, wd.grad)]

@@ -256,6 +256,8 @@ def build_model(mc: ModelConfig, pc: ParallelConfig, *, head: str = "lm", precis
     if fp8_map.enabled(fp8):
         model.fp8_rollout = fp8.rollout
     model.megarl_vocab_size = mc.vocab_size
+    if torch.cuda.is_available():  # as Megatron-LM's get_model: what megatron-core and megarl build on
+        model.cuda(torch.cuda.current_device())  # the host (norms, the scalar head) joins the rest
     layout.init_parameters(model, seed=seed, std=mc.init_std, num_layers=mc.num_layers,
                            vocab_size=mc.vocab_size, tied=mc.tie_embeddings and head == "lm")
     return model

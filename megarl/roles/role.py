@@ -22,7 +22,7 @@ import torch
 from megarl.config.schema import FP8Config, LRScheduleConfig, ModelConfig, OptimConfig, ParallelConfig
 from megarl.models.gpt import build_model
 from megarl.optim import build_optimizer, build_scheduler
-from megarl.runtime.distributed import broadcast_from_last_stage, dp_means
+from megarl.runtime.distributed import broadcast_from_last_stage, device, dp_means
 
 # tokens [b, s], position_ids [b, s], attention_mask [b, 1, s, s] or None, optional output_from
 # (an int c: the LM/scalar head runs on columns c: only, the output is [b, s - c, .]), optional
@@ -123,8 +123,10 @@ class Role:
         # of the whole [b, s, V] tensor): the fused log-prob op reads them as they are
         kwargs = {"fp32_output": False} if self.precision in ("bf16", "fp16") and self.head == "lm" else {}
 
+        dev = device()
+
         def forward_step(data_iterator, model):
-            batch = next(data_iterator)
+            batch = _on_device(next(data_iterator), dev)  # data stays on the host until its turn
             extra = {k: batch[k] for k in ("output_from", "return_hidden", "output_index", "packed_seq_params")
                      if batch.get(k) is not None and batch.get(k) is not False}
             output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **kwargs, **extra)
@@ -221,3 +223,20 @@ def reduce_metrics(reported: list[dict]) -> dict:
             totals[k] = totals[k] + v if k in totals else v
     means = dp_means({k: (v[0], v[1]) for k, v in totals.items()}) if ps.is_pipeline_last_stage() else {}
     return broadcast_from_last_stage(means)
+
+
+def _on_device(batch: Batch, dev: torch.device) -> Batch:
+    """A micro-batch with its tensors (and a PackedSeqParams' tensors) on `dev`; the same
+    objects where they are there already (always on CPU)."""
+    import dataclasses
+
+    def move(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(dev, non_blocking=True)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return dataclasses.replace(v, **{f.name: move(getattr(v, f.name)) for f in dataclasses.fields(v)
+                                             if isinstance(getattr(v, f.name), torch.Tensor)})
+        return v
+
+    return {k: move(v) for k, v in batch.items()}
+
