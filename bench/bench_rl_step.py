@@ -469,9 +469,10 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None) -> None:
                  if trl is not None else ""))
         if mg["response_lens"]:
             # prefill once per prompt at the training GEMMs' rate, then the decode steps as they come
-            prefill = sum(v / 1e9 / rates[(key[0], "fwd")] * args.prompts * mg["prompt_len"]
-                          / (args.prompts * mg["prompt_len"] + rows * mg["response_len"])
-                          for key, v in flops.items() if key[1] == "decode fwd" and key[0] != "lm head")
+            from bench_gemm_floor import linears
+
+            prefill = sum(2 * n * k * args.layers * args.prompts * mg["prompt_len"] / 1e9 / rates[(name, "fwd")]
+                          for name, n, k in linears(args) if name != "lm head")
             steps = statistics.mean(decode_step_floor(args, rates, lens) for lens in mg["response_lens"]) + prefill
             print(f"\nGeneration at this batch's own decode steps (step t runs only its live rows, each linear "
                   f"at F.linear's measured time for that many rows; the long tail's 1-2-row steps are bound by "

@@ -6,7 +6,6 @@ checkpoints (bit-exact resume, loading into BF16).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import types
 
@@ -24,7 +23,7 @@ ON = FP8Config(format="e4m3")
 MODEL = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=2)
 
 # FP8 is Transformer Engine's: a GPU without it (pip install -e .[gpu]) skips these with a reason
-needs_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+needs_te = pytest.mark.skipif(not validate_mod.has_module("transformer_engine"),
                               reason="needs Transformer Engine (pip install -e .[gpu])")
 
 

@@ -226,8 +226,8 @@ def reduce_metrics(reported: list[dict]) -> dict:
 
 
 def _on_device(batch: Batch, dev: torch.device) -> Batch:
-    """A micro-batch with its tensors (and a PackedSeqParams' tensors) on `dev`; the same
-    objects where they are there already (always on CPU)."""
+    """A micro-batch with its tensors (and a PackedSeqParams' tensors) on `dev`; a tensor already
+    there is not copied (on CPU none is)."""
     import dataclasses
 
     def move(v):
@@ -239,4 +239,3 @@ def _on_device(batch: Batch, dev: torch.device) -> Batch:
         return v
 
     return {k: move(v) for k, v in batch.items()}
-
