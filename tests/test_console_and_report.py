@@ -24,7 +24,7 @@ def test_banner_describes_each_stage_batch():
     assert "eval: 64 prompts x 4 samples" in line
     assert _work(rl, "eval") == "64 held-out prompts x 4 samples (up to 24 new tokens)"
     assert _work(load_config("configs/tiny_sft.yaml"), "sft").startswith("600 steps of 32 sequences x 128 tokens")
-    assert _work(load_config("configs/tiny_rm.yaml"), "reward_model").startswith("300 steps of 64 pairs (2 x 128 tokens)")
+    assert _work(load_config("configs/tiny_rm.yaml"), "reward_model").startswith("150 steps of 128 pairs (2 x 128 tokens)")
 
 
 class _Engine:

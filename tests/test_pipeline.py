@@ -134,7 +134,7 @@ def test_pipeline_config_sections_and_overrides(tmp_path):
     from megarl.trainers.pipeline import load_pipeline_config
 
     cfgs = load_pipeline_config("configs/tiny_pipeline.yaml", ["train.run_dir=/tmp/p", "stages.rl.optim.lr=2e-5"])
-    assert (cfgs["sft"].train.steps, cfgs["rm"].train.steps, cfgs["rl"].train.steps) == (600, 300, 60)
+    assert (cfgs["sft"].train.steps, cfgs["rm"].train.steps, cfgs["rl"].train.steps) == (600, 150, 60)
     assert cfgs["rl"].optim.lr == 2e-5 and cfgs["sft"].optim.lr == 3e-3
     assert all(c.train.run_dir == "/tmp/p" for c in cfgs.values())
     # A shared override reaches every stage, also those whose section sets the key (steps, weight
@@ -175,7 +175,7 @@ def test_progress_line_shows_the_pipeline_stage_and_a_run_eta(capsys):
 
     cfgs = load_pipeline_config("configs/tiny_pipeline.yaml", [])
     work = {s: stage_work(c, s) for s, c in cfgs.items()}
-    assert work["rm"][0] == 2 * work["sft"][0] * 64 / 32  # pairs: twice the sequences, 64 a step vs 32
+    assert work["rm"][0] == 2 * work["sft"][0] * 128 / 32  # pairs: twice the sequences, 128 a step vs 32
     eta = RunETA(cfgs)
     seconds = 0.5 * (600 - 300) + 0.5 * (work["rm"][1] + work["rl"][1]) / work["sft"][0]
     assert eta.reporter("sft")(300, 600, 0.5) == f"pipeline stage 1/3, run ETA ~{int(seconds) // 60}:{int(seconds) % 60:02d}"

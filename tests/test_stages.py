@@ -85,8 +85,8 @@ def test_rm_pooling_is_saved_with_the_checkpoint_and_read_back_by_rl(tmp_path, m
     role = types.SimpleNamespace(name="reward", head="scalar")
     weights.load_role_weights(cfg, role, str(ckpt), "roles.reward.init_from")
     assert role.reward_pooling == "mean"
-    megarl(rm_args(tmp_path / "last", "reward_model.init_from=null", "train.steps=2", "train.eval_interval=0",
-                   "checkpoint.save_interval=2"))
+    megarl(rm_args(tmp_path / "last", "reward_model.init_from=null", "reward_model.pooling=last", "train.steps=2",
+                   "train.eval_interval=0", "checkpoint.save_interval=2"))
     role = types.SimpleNamespace(name="reward", head="scalar")
     weights.load_role_weights(cfg, role, str(tmp_path / "last" / "reward_model" / "checkpoints" / "step_00000002"),
                               "roles.reward.init_from")
