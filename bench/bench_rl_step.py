@@ -226,19 +226,33 @@ def gemm_rates(args, reps: int = 3) -> dict:
             F.linear(x, w)  # warm-up
             best, _ = best_wall_and_cpu(lambda: F.linear(x, w), reps)
             rates[(name, kind)] = 2 * x.shape[0] * w.shape[0] * x.shape[1] / best / 1e9
-        w = torch.randn(n, k, generator=g)
-        wt = w.t().contiguous()  # the same product with the weight stored input-major
-        for m in range(1, rows + 1):  # a decode step with m live rows: memory-bound at small m
-            x = torch.randn(m, k, generator=g)
-            F.linear(x, w), x @ wt
-            # seconds; the better of two layouts: MKL's sgemm on [m, k] x [n, k]^T is up to 1.8x slower
-            # at m = 4..8 than at m = 16 on this machine (measured), which no engine need pay
-            rates[(name, "decode fwd", m)] = min(best_wall_and_cpu(lambda: F.linear(x, w), reps)[0],
-                                                 best_wall_and_cpu(lambda: x @ wt, reps)[0])
     return rates
 
 
-def decode_step_floor(args, rates: dict, response_lens: list[int]) -> float:
+def decode_seconds(args, reps: int = 3) -> dict:
+    """Best seconds of each linear's forward at m = 1..rows live rows, {(linear, m): s}: a decode
+    step with few rows is bound by reading the weight, so its time is measured, not derived from a
+    FLOP rate. The better of two weight layouts: MKL's sgemm on [m, k] x [n, k]^T is up to 1.8x
+    slower at m = 4..8 than at m = 16 on this machine (measured), which no engine need pay."""
+    import torch
+    import torch.nn.functional as F
+    from bench_gemm_floor import linears
+    from timing import best_wall_and_cpu
+
+    g = torch.Generator().manual_seed(0)
+    seconds = {}
+    for name, n, k in linears(args):
+        w = torch.randn(n, k, generator=g)
+        wt = w.t().contiguous()  # the same product with the weight stored input-major
+        for m in range(1, args.prompts * args.samples + 1):
+            x = torch.randn(m, k, generator=g)
+            F.linear(x, w), x @ wt  # warm-up
+            seconds[(name, m)] = min(best_wall_and_cpu(lambda: F.linear(x, w), reps)[0],
+                                     best_wall_and_cpu(lambda: x @ wt, reps)[0])
+    return seconds
+
+
+def decode_step_floor(args, seconds: dict, response_lens: list[int]) -> float:
     """Seconds of the GEMMs of one rollout's decode steps when every step runs only its live rows:
     step t >= 1 (token 0 comes from the prefill) has m_t = #responses longer than t rows, and costs
     each linear's measured F.linear time at m_t rows. At a fixed batch the long tail's steps run
@@ -249,7 +263,7 @@ def decode_step_floor(args, rates: dict, response_lens: list[int]) -> float:
     total = 0.0
     for t in range(1, max(response_lens, default=0)):
         m = sum(n > t for n in response_lens)
-        total += sum(rates[(name, "decode fwd", m)] * (1 if name == "lm head" else args.layers)
+        total += sum(seconds[(name, m)] * (1 if name == "lm head" else args.layers)
                      for name, _, _ in linears(args))
     return total
 
@@ -422,7 +436,7 @@ def summary(results: list[dict]) -> dict:
             "prompt_len": statistics.mean(r.get("prompt_len", 0.0) for r in results)}
 
 
-def report(args, mg: dict, trl: dict | None, rates: dict | None = None) -> None:
+def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s: dict | None = None) -> None:
     rows = args.prompts * args.samples
     prompt = f"{args.prompt_min}..{args.prompt_len}" if args.prompt_min != args.prompt_len else args.prompt_len
     ending = f" (up to; EOS, mean target {args.mean_len})" if args.workload == "realistic" else ""
@@ -467,13 +481,13 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None) -> None:
               f"(target <= 1.25x)"
               + (f"; TRL {trl['cpu_mean'] / floor:.2f}x (its mean response {trl['response_len']:.0f} tokens)"
                  if trl is not None else ""))
-        if mg["response_lens"]:
+        if mg["response_lens"] and decode_s:
             # prefill once per prompt at the training GEMMs' rate, then the decode steps as they come
             from bench_gemm_floor import linears
 
             prefill = sum(2 * n * k * args.layers * args.prompts * mg["prompt_len"] / 1e9 / rates[(name, "fwd")]
                           for name, n, k in linears(args) if name != "lm head")
-            steps = statistics.mean(decode_step_floor(args, rates, lens) for lens in mg["response_lens"]) + prefill
+            steps = statistics.mean(decode_step_floor(args, decode_s, lens) for lens in mg["response_lens"]) + prefill
             print(f"\nGeneration at this batch's own decode steps (step t runs only its live rows, each linear "
                   f"at F.linear's measured time for that many rows; the long tail's 1-2-row steps are bound by "
                   f"reading the LM head's weight, which the FLOP floor above does not count): {steps:.2f} "
@@ -569,8 +583,9 @@ def main() -> None:
                           f"{t['response_len']:.0f} tokens)", flush=True)
                     if step:
                         trl_runs.append(t)
-            rates = gemm_rates(args) if args.precision == "fp32" else None
-            report(args, summary(mg_runs), summary(trl_runs) if trl_runs else None, rates)
+            fp32 = args.precision == "fp32"
+            report(args, summary(mg_runs), summary(trl_runs) if trl_runs else None,
+                   gemm_rates(args) if fp32 else None, decode_seconds(args) if fp32 else None)
             if args.profile:
                 from torch.profiler import ProfilerActivity, profile
 
