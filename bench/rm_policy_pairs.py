@@ -35,12 +35,12 @@ def main():
     import tempfile
 
     from megarl.config import load_config
-    from megarl.rewards import load_reward_fn, score_batch
+    from megarl.rewards import load_reward_fn
     from megarl.roles.role import Role
     from megarl.rollout.engine import SamplingParams
     from megarl.runtime.distributed import init_distributed
     from megarl.trainers import data_setup
-    from megarl.trainers.evaluate import rollout_engine
+    from megarl.trainers.evaluate import rollout_engine, sample_and_grade
     from megarl.trainers.weights import load_role_weights
 
     with tempfile.TemporaryDirectory() as run_dir:
@@ -56,11 +56,8 @@ def main():
         params = SamplingParams(n=k, temperature=1.0, max_new_tokens=cfg.rl.max_new_tokens,
                                 stop_ids=tuple(tok.stop_ids))
         items = [ds[i] for i in range(len(ds))]
-        rollout = engine.generate([it["prompt_ids"] for it in items], params, seed=args.seed)
-    texts = [tok.decode(r, skip_special_tokens=True) for r in rollout.responses()]
-    prompts = [it["messages"][-1]["content"] for it in items for _ in range(k)]
-    answers = [it["answer"] for it in items for _ in range(k)]
-    scores = score_batch(load_reward_fn("final_answer"), prompts, texts, answers, max_fail_fraction=1.0).scores
+        _, prompts, texts, _, scores = sample_and_grade(engine, items, tok, params, args.seed, 0,
+                                                        load_reward_fn("final_answer"))
     rng = random.Random(0)  # which right sample each wrong one is paired with
     pairs, mixed = [], 0
     for i in range(len(items)):

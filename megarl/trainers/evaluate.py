@@ -31,6 +31,21 @@ def metric_names(k: int) -> tuple[str, str, str]:
     return "pass_at_1", f"pass_at_{k}", f"mean_at_{k}"
 
 
+def sample_and_grade(engine, items: list, tok, params, seed: int, sample_offset: int, reward_fn):
+    """Samples params.n responses per prompt item and grades each: (rollout, prompts, texts,
+    answers, scores), the last four flat lists of len(items) x n, prompt-major. A reward function
+    that fails on a sample scores it 0 here (evaluation grades; it does not stop on bad samples)."""
+    from megarl.rewards import score_batch
+
+    k = params.n
+    rollout = engine.generate([it["prompt_ids"] for it in items], params, seed=seed, sample_offset=sample_offset)
+    texts = [tok.decode(r, skip_special_tokens=True) for r in rollout.responses()]
+    prompts = [it["messages"][-1]["content"] for it in items for _ in range(k)]
+    answers = [it["answer"] for it in items for _ in range(k)]
+    scores = score_batch(reward_fn, prompts, texts, answers, max_fail_fraction=1.0).scores
+    return rollout, prompts, texts, answers, scores
+
+
 def pass_at_k_eval(engine, dataset, tok, *, n_prompts: int, k: int, params, seed: int, reward_fn) -> tuple[dict, list]:
     """(metrics, sample rows) over the first `n_prompts` prompts of `dataset`, k samples each.
 
@@ -40,7 +55,7 @@ def pass_at_k_eval(engine, dataset, tok, *, n_prompts: int, k: int, params, seed
     the share of samples ended on the call limit."""
     from megatron.core import parallel_state as ps
 
-    from megarl.rewards import pass_at_k, score_batch
+    from megarl.rewards import pass_at_k
     from megarl.runtime.distributed import dp_max, dp_means
 
     p1_name, pk_name, mk_name = metric_names(k)
@@ -54,11 +69,7 @@ def pass_at_k_eval(engine, dataset, tok, *, n_prompts: int, k: int, params, seed
         pairs.update({name: (0.0, 0) for name in TOOL_METRICS})
     rows, graded = [], 0.0  # graded: some score is neither 0 nor 1, so mean@k says more than pass@1
     if items:
-        rollout = engine.generate([it["prompt_ids"] for it in items], params, seed=seed, sample_offset=lo * k)
-        texts = [tok.decode(r, skip_special_tokens=True) for r in rollout.responses()]
-        prompts = [it["messages"][-1]["content"] for it in items for _ in range(k)]
-        answers = [it["answer"] for it in items for _ in range(k)]
-        scores = score_batch(reward_fn, prompts, texts, answers, max_fail_fraction=1.0).scores
+        rollout, prompts, texts, answers, scores = sample_and_grade(engine, items, tok, params, seed, lo * k, reward_fn)
         graded = float(any(x not in (0.0, 1.0) for x in scores))
         p1 = pk = mk = 0.0
         for i in range(len(items)):
