@@ -1,0 +1,49 @@
+"""The LM head's GEMM at a decode step's few rows, in three weight layouts (CPU, fp32).
+
+    python bench/bench_head_layout.py [--vocab 151936] [--hidden 256] [--reps 15] [--threads 1]
+
+A decode step with m live rows multiplies [m, h] by the head's [V, h] weight. MKL's sgemm on that
+layout (`F.linear`, what megatron-core's output layer runs) has a dip at 4-8 rows on some CPUs; the
+same product as `(W @ x.T).T` (no copy) or `x @ W.t().contiguous()` (a second, [h, V] copy of the
+weight) takes other kernels. Prints best / median ms per layout and the error against float64.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(args.vocab, args.hidden, generator=g) * 0.02  # [V, h]
+    wt = w.t().contiguous()  # [h, V]
+    layouts = {"F.linear(x, W)": lambda x: F.linear(x, w), "(W @ x.T).T": lambda x: (w @ x.t()).t(),
+               "x @ W.t().contiguous()": lambda x: x @ wt}
+    print(f"LM head {args.vocab} x {args.hidden} fp32, {args.threads} thread(s), best / median ms of {args.reps}\n")
+    print("| rows | " + " | ".join(layouts) + " | max rel err vs float64 |")
+    print("|---" * (len(layouts) + 2) + "|")
+    for m in (1, 2, 3, 4, 6, 8, 12, 16, 32, 64):
+        x = torch.randn(m, args.hidden, generator=g)
+        ref = x.double() @ w.double().t()
+        times = {name: [] for name in layouts}
+        for _ in range(args.reps):  # the layouts interleaved, rep by rep
+            for name, fn in layouts.items():
+                t0 = time.perf_counter()
+                fn(x)
+                times[name].append(time.perf_counter() - t0)
+        err = max(((fn(x).double() - ref).abs().max() / ref.abs().max()).item() for fn in layouts.values())
+        cells = [f"{1e3 * min(t):.2f} / {1e3 * statistics.median(t):.2f}" for t in times.values()]
+        print(f"| {m} | " + " | ".join(cells) + f" | {err:.0e} |")
+
+
+if __name__ == "__main__":
+    main()
