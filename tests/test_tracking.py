@@ -207,14 +207,16 @@ def test_unreachable_store_never_blocks_and_spill_replays(tmp_path, store_uri, c
     dead = f"http://127.0.0.1:{free_port()}"
     caplog.set_level(logging.WARNING, logger="megarl.tracking")
     t = Tracker.start(run_dir, {"optim": {"lr": 0.1}}, uri=dead, max_pending=50, **FAST)
-    slowest = 0.0
+    seconds = []
     for s in range(200):
         t0 = time.perf_counter()
         t.log_metrics({"train/loss": float(s)}, step=s)
         t.set_tags({"checkpoint.latest": f"ckpt/{s}"})
-        slowest = max(slowest, time.perf_counter() - t0)
-    # Generous bound (shared 2-core CI): blocking on the dead store would take >= 1 s per call.
-    assert slowest < 0.5, f"a logging call took {slowest:.3f}s"
+        seconds.append(time.perf_counter() - t0)
+    # Blocking on the dead store (mlflow's own retries and backoff) would make every call take
+    # seconds; the shared 2-core CI box may stall any one call for a few hundred ms.
+    seconds.sort()
+    assert seconds[100] < 0.05 and seconds[-1] < 1.0, f"median {seconds[100]:.3f}s, slowest {seconds[-1]:.3f}s"
     assert t.pending <= 50  # bounded memory: the overflow went to disk
     deadline = time.monotonic() + 30  # the delivery thread has failed (first mlflow import is slow)
     while time.monotonic() < deadline and not any("cannot deliver" in r.getMessage() for r in caplog.records):
