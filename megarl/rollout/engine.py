@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megarl.models import decode_layout
 from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens
 from megarl.rollout.tools import ERROR, TIMEOUT, Toolbox
 
@@ -106,7 +107,8 @@ def _unwrap(model):
 class MegatronRolloutEngine(RolloutEngine):
     def __init__(self, role, *, vocab_size: int, pad_id: int, decode: Callable[[list[int]], str] | None = None,
                  max_batch_size: int = 64, max_seq_len: int | None = None, pp_microbatches: int | None = None,
-                 compact: bool = True, tools: Toolbox | None = None, encode: Callable[[str], list[int]] | None = None):
+                 compact: bool = True, tools: Toolbox | None = None, encode: Callable[[str], list[int]] | None = None,
+                 in_major_weights: bool = True):
         """role: a megarl Role (or its model, possibly DDP / Float16Module wrapped) with an LM head.
         vocab_size: the true vocabulary (padded columns are never sampled).
         max_batch_size: rows per KV cache (micro-batch); the cache is freed after each.
@@ -116,7 +118,10 @@ class MegatronRolloutEngine(RolloutEngine):
             copy of the live rows' cache, ~log(rows) / log(4/3) times a batch; on CPU a dead row
             costs more than its share: MKL's GEMM over the 152k-row LM head is ~2x slower at 4-8
             rows than at 1-3 or 16).
-        tools: a Toolbox (tools + max calls per sample); needs decode and encode (observation text -> ids)."""
+        tools: a Toolbox (tools + max calls per sample); needs decode and encode (observation text -> ids).
+        in_major_weights: on CPU, fp32 linears read their weights from [in, out] memory during the
+            call (models/decode_layout.py: 1.1-2x faster decode GEMMs; one more copy of those
+            weights while generating). No effect on GPU or for bf16 weights."""
         self.chunks = _model_chunks(role)
         self.model = self.chunks[0]
         self.gpt = _unwrap(self.model)
@@ -133,6 +138,7 @@ class MegatronRolloutEngine(RolloutEngine):
         self.compact = compact
         self.tools = tools if tools is not None and tools.tools else None
         self.encode = encode
+        self.in_major_weights = bool(in_major_weights)
         if self.tools is not None and (decode is None or encode is None):
             raise ValueError("MegatronRolloutEngine(tools=...) needs decode and encode functions (the tokenizer's)")
 
@@ -157,7 +163,8 @@ class MegatronRolloutEngine(RolloutEngine):
                  "batches": 0, "compactions": 0}
         if self.tools is not None:
             stats["tool_s"] = 0.0
-        with _inference_mode(self.chunks, self.gpt):
+        with (_inference_mode(self.chunks, self.gpt),
+              decode_layout.in_major_weights(self.chunks, self.in_major_weights)):
             for b0 in range(0, N, self.max_batch_size):
                 batch = order[b0: b0 + self.max_batch_size]
                 out = self._generate_batch([rows[r] for r in batch],

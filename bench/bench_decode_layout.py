@@ -1,0 +1,94 @@
+"""CPU benchmark: one RL step's rollout with the linears' weights read in [in, out] memory
+(megarl's default on CPU, models/decode_layout.py) against megatron-core's stored [out, in].
+
+    python bench/bench_decode_layout.py [--workload realistic|default] [--reps 3] [--threads 1]
+
+The model, prompts and sampling are bench_rl_step.py's (realistic: 2 prompts of 40..200 tokens x
+8 samples, EOS-ended responses up to 1,024 tokens with mean ~200, vocabulary 151,936, hidden 256,
+4 layers; default: 8 x 8 rows, 32 + 128 tokens, hidden 512, 8 layers, vocabulary 32,000). The
+same prompts and seed are generated with the two layouts interleaved, after a warm-up of each;
+the table gives best and median wall and CPU seconds (user + sys of the process) per rollout,
+the decode steps' share, and whether the two layouts drew the same samples (they differ only by
+fp32 rounding in the GEMMs, so a draw can flip where two ids' cumulative masses meet).
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", choices=("realistic", "default"), default="realistic")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="a small model and short responses: a smoke run")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import bench_rl_step as rl
+
+    shape = dict(hidden=512, ffn=1408, layers=8, heads=8, kv_heads=8, vocab=32000, prompts=8, samples=8,
+                 prompt_len=32, prompt_min=32, new_tokens=128, mean_len=200)
+    if args.workload == "realistic":
+        shape.update(hidden=256, ffn=704, layers=4, heads=4, kv_heads=4, vocab=151936, prompts=2, prompt_len=200,
+                     prompt_min=40, new_tokens=1024)
+    if args.quick:
+        shape.update(hidden=128, ffn=352, layers=2, heads=4, kv_heads=4, vocab=4096, prompts=2, samples=4,
+                     prompt_len=16, prompt_min=8, new_tokens=32, mean_len=10)
+        args.reps = 1
+    a = argparse.Namespace(**shape, workload=args.workload, micro_batch=8, beta=0.04, old_logprobs="rollout",
+                           packing="on", precision="fp32")
+    a.max_pos = max(256, a.prompt_len + a.new_tokens)
+
+    with tempfile.TemporaryDirectory(prefix="bench_decode_layout_") as work:
+        model_dir, prompts_file = rl.build_assets(a, work)
+        stage = rl.build_megarl(a, model_dir, prompts_file, work)
+        engine = stage.engine
+        batch = next(stage.prompts)
+        params = stage._sampling(stage.cfg.rl.temperature, stage.cfg.rl.samples_per_prompt)
+
+        def rollout(in_major):
+            engine.in_major_weights = in_major
+            t0, c0 = time.perf_counter(), time.process_time()
+            r = engine.generate(batch["prompt_ids"], params, seed=1)
+            return time.perf_counter() - t0, time.process_time() - c0, r
+
+        variants = {"[in, out] (megarl's CPU default)": True, "[out, in] (megatron-core's stored layout)": False}
+        out = {name: rollout(flag)[2] for name, flag in variants.items()}  # warm-up; the samples compared
+        wall = {name: [] for name in variants}
+        cpu = {name: [] for name in variants}
+        decode = {name: [] for name in variants}
+        for _ in range(args.reps):
+            for name, flag in variants.items():
+                w, c, r = rollout(flag)
+                wall[name].append(w)
+                cpu[name].append(c)
+                decode[name].append(r.stats["decode_s"])
+
+    lens = [r.response_lens.float() for r in out.values()]
+    print(f"\n## Rollout, {args.workload} workload: {a.prompts} prompts x {a.samples} samples, vocabulary {a.vocab}, "
+          f"hidden {a.hidden}, {a.layers} layers, fp32, {args.threads} thread(s), {args.reps} interleaved reps\n")
+    print("| weight memory | best s (wall) | median s (wall) | best CPU-s | median CPU-s | median decode s |")
+    print("|---|---|---|---|---|---|")
+    for name in variants:
+        print(f"| {name} | {min(wall[name]):.2f} | {statistics.median(wall[name]):.2f} | {min(cpu[name]):.2f} "
+              f"| {statistics.median(cpu[name]):.2f} | {statistics.median(decode[name]):.2f} |")
+    names = list(variants)
+    print(f"\n[in, out] / [out, in]: {min(cpu[names[0]]) / min(cpu[names[1]]):.2f}x best, "
+          f"{statistics.median(cpu[names[0]]) / statistics.median(cpu[names[1]]):.2f}x median (CPU-s)")
+    same = sum(x == y for x, y in zip(*(r.responses() for r in out.values())))
+    print(f"samples identical: {same}/{len(lens[0])} rows; mean response length {lens[0].mean():.1f} / "
+          f"{lens[1].mean():.1f} tokens; decode steps {max(r.stats['forwards'] for r in out.values()) - 1}")
+
+
+if __name__ == "__main__":
+    main()

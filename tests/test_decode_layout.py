@@ -1,0 +1,94 @@
+"""CPU generation reads each linear's weight from [in, out] memory (models/decode_layout.py):
+which weights switch, that they come back untouched (optimizer buffers included, exceptions
+included), and that generation is the same model either way (fp32 rounding only)."""
+import pytest
+import torch
+
+from dist_helpers import run_distributed
+
+VOCAB, PAD = 100, 0
+
+
+def _body(rank, world_size):
+    from megarl.config import ModelConfig, OptimConfig, ParallelConfig
+    from megarl.models import decode_layout
+    from megarl.models.layout import unwrap
+    from megarl.roles.role import Role
+    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    init_distributed(1, 1, seed=3)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 6, 1)]
+    out = {}
+    for tied in (False, True):
+        mc = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_kv_heads=2,
+                         vocab_size=VOCAB, max_position_embeddings=48, init_std=0.1, tie_embeddings=tied)
+        # tied: with the distributed optimizer, whose weights are views into one parameter buffer
+        role = Role("actor", mc, ParallelConfig(distributed_optimizer=tied), head="lm", seed=5,
+                    optim=OptimConfig(lr=1e-3))
+        gpt = unwrap(role.model)
+        names = {id(p): n for n, p in gpt.named_parameters()}
+        weights = decode_layout.switchable_weights(role.chunks)
+        before = [(w, w.untyped_storage().data_ptr(), w.data_ptr(), w.stride(), w.detach().clone()) for w in weights]
+        inside = []
+        with decode_layout.in_major_weights(role.chunks) as n:
+            for w, _, ptr, _, values in before:
+                inside.append((w.t().is_contiguous(), w.data_ptr() != ptr, torch.equal(w, values)))
+        def restored():  # the same memory (views into megatron's buffer stay views), layout and values
+            return all(w.untyped_storage().data_ptr() == storage and w.data_ptr() == ptr and w.stride() == stride
+                       and torch.equal(w, values) for w, storage, ptr, stride, values in before)
+
+        was_restored = restored()
+        try:
+            with decode_layout.in_major_weights(role.chunks):
+                raise KeyError("inside")
+        except KeyError:
+            pass
+        restored_after_error = restored()
+
+        plain = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, in_major_weights=False)
+        fast = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD)
+        greedy = SamplingParams(greedy=True, max_new_tokens=10)
+        sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=10)
+        runs = [(e.generate(prompts, greedy, seed=0), e.generate(prompts, sampled, seed=4)) for e in (plain, fast)]
+        out[tied] = dict(storages=len({w.untyped_storage().data_ptr() for w in weights}), names=sorted(names[id(w)] for w in weights), switched=n, inside=inside, restored=was_restored,
+                         restored_after_error=restored_after_error,
+                         greedy=[r[0].responses() for r in runs], sampled=[r[1].responses() for r in runs],
+                         logprob_diff=max(float((a.logprobs - b.logprobs).abs().max())
+                                          for a, b in zip(runs[0], runs[1])))
+    bf16 = Role("b", ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=48, num_attention_heads=2,
+                                 vocab_size=VOCAB, max_position_embeddings=16), ParallelConfig(), precision="bf16")
+    out["bf16_switchable"] = len(decode_layout.switchable_weights(bf16.chunks))
+    teardown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_distributed(_body, 1)[0]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_linear_switches_and_comes_back_untouched(result, tied):
+    r = result[tied]
+    per_layer = ["self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.linear_fc1.weight",
+                 "mlp.linear_fc2.weight"]
+    head = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+    assert r["names"] == sorted([f"decoder.layers.{i}.{n}" for i in range(2) for n in per_layer] + [head])
+    assert r["switched"] == len(r["names"]) == len(r["inside"])
+    assert all(in_major and moved and same for in_major, moved, same in r["inside"]), r["inside"]
+    assert r["restored"] and r["restored_after_error"]
+    assert r["storages"] == (1 if tied else len(r["names"]))  # one buffer / a tensor each
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_generation_is_the_same_model_in_either_layout(result, tied):
+    r = result[tied]
+    assert r["greedy"][0] == r["greedy"][1]
+    assert r["sampled"][0] == r["sampled"][1]  # the same keyed draws over logits equal to fp32 rounding
+    assert 0.0 <= r["logprob_diff"] < 1e-4, r["logprob_diff"]
+
+
+def test_bf16_weights_stay_in_their_layout(result):
+    assert result["bf16_switchable"] == 0
