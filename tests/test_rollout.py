@@ -316,15 +316,18 @@ def test_single_pass_logprobs_equal_megarl_ops(temperature, top_k, top_p, greedy
     assert none is None and torch.equal(ids_only, ids)
 
 
-@pytest.mark.parametrize("vocab", [300, 2048, 5000, 151936])
-def test_two_level_inverse_cdf_equals_one_full_cumsum(vocab):
+@pytest.mark.parametrize("vocab,spread", [(300, 4), (2048, 4), (5000, 4), (151936, 4), (5000, 40), (151936, 40)])
+def test_two_level_inverse_cdf_equals_one_full_cumsum(vocab, spread):
     """The block-then-id draw picks the same ids as one fp64 cumsum over the vocabulary (float64
-    reference), with and without zero-mass ids (top-k), whatever the vocabulary's tail block."""
-    from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens
+    reference), with and without zero-mass ids (top-k), whatever the vocabulary's tail block;
+    spread 40: most logits lie more than 87 below their row's max, where fp32 exp is clamped."""
+    from megarl.rollout.sampling import _EXP_FLOOR, SamplingParams, filter_logits, row_uniforms, sample_tokens
 
     g = torch.Generator().manual_seed(vocab)
     for params in (SamplingParams(), SamplingParams(top_k=37, temperature=0.8)):
-        logits = torch.randn(32, vocab, generator=g) * 4
+        logits = torch.randn(32, vocab, generator=g) * spread
+        below = (logits / params.temperature - (logits / params.temperature).amax(-1, keepdim=True) < _EXP_FLOOR)
+        assert bool(below.any()) == (spread == 40)  # the clamped case is the one under test
         filtered = filter_logits(logits, params)
         u = row_uniforms(vocab, torch.arange(32), 7)
         ids, lp = sample_tokens(filtered, params, u)
@@ -335,6 +338,25 @@ def test_two_level_inverse_cdf_equals_one_full_cumsum(vocab):
         assert torch.equal(ids, ref)
         assert torch.isfinite(filtered.gather(1, ids[:, None])).all(), "a zero-mass id was drawn"
         assert torch.allclose(lp.double(), torch.log_softmax(z, -1).gather(1, ids[:, None]).squeeze(1), atol=1e-5)
+
+
+def test_exp_below_max_is_exp_with_filtered_ids_at_exactly_zero():
+    from megarl.rollout.sampling import _EXP_FLOOR, _exp_below_max
+
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(8, 3000, generator=g) * 40
+    z[:4, ::3] = float("-inf")  # filtered ids in half of the rows
+    zmax = z.amax(-1, keepdim=True)
+    e = _exp_below_max(z, zmax)
+    x = (z - zmax).double()
+    assert torch.equal(e[torch.isneginf(z)], torch.zeros(int(torch.isneginf(z).sum())))
+    kept = x >= _EXP_FLOOR
+    assert torch.allclose(e[kept].double(), torch.exp(x[kept]), rtol=2e-7, atol=0)
+    low = torch.isfinite(x) & ~kept
+    assert low.any() and (e[low] == torch.exp(torch.tensor(_EXP_FLOOR))).all()
+    narrow = torch.randn(3, 50, generator=g)  # within the floor: plain exp
+    assert torch.equal(_exp_below_max(narrow, narrow.amax(-1, keepdim=True)),
+                       torch.exp(narrow - narrow.amax(-1, keepdim=True)))
 
 
 def test_two_level_inverse_cdf_never_draws_zero_mass_at_the_edges():

@@ -106,7 +106,7 @@ def sample_tokens(filtered: torch.Tensor, params: SamplingParams, uniforms: torc
         return filtered.argmax(dim=-1), None
     z = filtered.float() if params.temperature == 1.0 else filtered.float() / params.temperature
     zmax = z.amax(dim=-1, keepdim=True)  # [N, 1]
-    e = torch.exp(z - zmax)  # [N, V]
+    e = _exp_below_max(z, zmax)  # [N, V]
     if params.greedy:
         ids = z.argmax(dim=-1)
         total = e.sum(dim=-1, dtype=torch.float64)
@@ -119,6 +119,22 @@ def sample_tokens(filtered: torch.Tensor, params: SamplingParams, uniforms: torc
 
 
 _CDF_BLOCK = 2048  # vocabulary ids per block of the two-level inverse CDF
+# exp(x) for fp32 x below about -87.3 is denormal or 0, and torch's vectorised CPU exp leaves its
+# fast path for such inputs (and for -inf): 20-40x slower per element (docs/benchmarks.md). Inputs
+# are clamped to this floor first: exp(-87) = 1.6e-38 is a normal float, and all ids together
+# below it weigh < V x 1.6e-38 against a total >= 1 (the max id's own exp(0)), nothing in fp64.
+_EXP_FLOOR = -87.0
+
+
+def _exp_below_max(z: torch.Tensor, zmax: torch.Tensor) -> torch.Tensor:
+    """exp(z - zmax) [N, V], with exactly 0 where z is -inf (filtered ids keep zero mass) and
+    exp(_EXP_FLOOR) for finite z more than 87 below the row's max."""
+    x = torch.sub(z, zmax)  # <= 0
+    if not bool((z.amin(dim=-1, keepdim=True) - zmax < _EXP_FLOOR).any()):
+        return x.exp_()
+    filtered = torch.isneginf(z)
+    e = x.clamp_(min=_EXP_FLOOR).exp_()
+    return e.masked_fill_(filtered, 0.0) if bool(filtered.any()) else e
 
 
 def _inverse_cdf(e: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
