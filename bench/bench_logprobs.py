@@ -8,7 +8,8 @@ fused output layer (megarl.ops.linear_logprobs_and_entropy) vs output layer + op
 
 --head: hidden [T, h] and the output weight [V, h] go to per-token log-prob + entropy, either
 "unfused" (F.linear -> [T, V] logits -> logprobs_and_entropy, as RL scores and trains today)
-or "fused" (chunked over tokens, no logits). fwd = scoring (no grad), fwd+bwd = training (grad
+or "fused" (chunked over tokens, no logits), and "fused-lp" (fused, log-probs only: what RL
+scores and trains without an entropy bonus). fwd = scoring (no grad), fwd+bwd = training (grad
 of hidden and weight). Besides the RSS figure, the op's own allocations are counted by the torch
 profiler (profile_memory: every CPU allocation and free; "alloc peak" is the highest running
 sum, "allocs" the number of allocations). "% of logits" compares with one fp32 [T, V] tensor;
@@ -94,8 +95,8 @@ def head_child(impl, shape, dtype, mode, what, reps, threads):
     hidden.requires_grad_(bwd), weight.requires_grad_(bwd)
 
     def fn(x, tt):
-        if impl == "fused":
-            return linear_logprobs_and_entropy(x, weight, tt)
+        if impl in ("fused", "fused-lp"):  # fused-lp: log-probs only, as RL without an entropy bonus
+            return linear_logprobs_and_entropy(x, weight, tt, with_entropy=impl == "fused")
         return logprobs_and_entropy(F.linear(x, weight), tt)
 
     def once(rows=T):
@@ -103,7 +104,7 @@ def head_child(impl, shape, dtype, mode, what, reps, threads):
         if bwd:
             hidden.grad = weight.grad = None
             lp, ent = fn(x, t[:rows])
-            (lp.sum() + ent.sum()).backward()
+            (lp.sum() + (ent.sum() if ent is not None else 0.0)).backward()
         else:
             with torch.no_grad():
                 fn(x, t[:rows])
@@ -182,7 +183,7 @@ def main():
     args = ap.parse_args()
     if args.child:
         impl, shape, dtype, mode, what = args.child.split(":")
-        run = head_child if impl in ("fused", "unfused") else child
+        run = head_child if impl in ("fused", "fused-lp", "unfused") else child
         res = run(impl, tuple(map(int, shape.split("x"))), dtype, mode, what, args.reps, args.threads)
         print("RESULT " + json.dumps(res))
         return
@@ -251,7 +252,7 @@ def head_main(args):
         if impl == "unfused" and need_gib > args.max_gib:
             return f"needs ~{need_gib:.0f} GiB (> --max-gib {args.max_gib:g}) | | | | |"
 
-    for shape, dtype, mode, impl, mem, tim in measured(args, shapes, ("unfused", "fused"), too_big):
+    for shape, dtype, mode, impl, mem, tim in measured(args, shapes, ("unfused", "fused", "fused-lp"), too_big):
         pct = 100 * mem["alloc_peak_mib"] / mem["logits_mib"]
         print(f"| {shape} | {dtype} | {mode} | {impl} | {mem['extra_mib']:.0f} "
               f"| {mem['alloc_peak_mib']:.0f} | {mem['allocs']} | {pct:.1f}% "

@@ -66,6 +66,31 @@ def test_values_and_grads_match_float64(chunk, temperature):
     assert (w.grad[290:] == 0).all()  # padding rows of the weight get no gradient
 
 
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_logprobs_only_skip_the_entropy_passes_and_match_float64(chunk, monkeypatch):
+    """with_entropy=False (RL without an entropy bonus, reference scoring): the same log-probs and
+    gradients (float64 reference), and the torch path never computes the entropy's moment."""
+    from megarl.ops import logprobs as ops_logprobs
+
+    moments = []
+    real = ops_logprobs._local_stats
+    monkeypatch.setattr(fused_head, "_local_stats",
+                        lambda *a, **k: moments.append(k.get("with_moment", True)) or real(*a, **k))
+    x, w, t = make(53, 24, 300, seed=5, vocab_size=290)
+    x.requires_grad_(), w.requires_grad_()
+    lp, ent = linear_logprobs_and_entropy(x, w, t, vocab_size=290, temperature=0.7, chunk_size=chunk,
+                                          with_entropy=False)
+    assert ent is None and moments and not any(moments)
+    x64, w64, rlp, _ = reference(x, w, t, 290, 0.7)
+    torch.testing.assert_close(lp.double(), rlp, **VAL_TOL)
+    g = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    (lp.double() * g).sum().backward()
+    (rlp * g).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, **GRAD_TOL)
+    torch.testing.assert_close(w.grad.double(), w64.grad, **GRAD_TOL)
+    assert (x.grad[t == -100] == 0).all()  # ignored rows: zero gradient
+
+
 def test_strided_bsh_hidden_and_single_outputs():
     """[b, s, h] as the model hands it (a transpose of [s, b, h]); log-prob only, entropy only."""
     base, w, t = make(5 * 3, 16, 111, seed=4)
@@ -144,7 +169,7 @@ def test_one_chunk_keeps_its_logits_for_the_backward(monkeypatch):
     torch.testing.assert_close(grads[T][2], grads[T - 1][2], rtol=1e-5, atol=1e-6)
     kept = []
     real_apply = fused_head._FusedLinearLogProbs.apply
-    monkeypatch.setattr(fused_head._FusedLinearLogProbs, "apply", lambda *a: kept.append(a[-1]) or real_apply(*a))
+    monkeypatch.setattr(fused_head._FusedLinearLogProbs, "apply", lambda *a: kept.append(a[-2]) or real_apply(*a))  # keep_one
     with torch.no_grad():  # scoring: no backward will come
         linear_logprobs_and_entropy(x.clone().requires_grad_(), w.clone().requires_grad_(), t)
     linear_logprobs_and_entropy(x, w, t)  # nothing requires grad

@@ -225,7 +225,7 @@ def test_masks_and_observations(single):
         assert len(spans) == int(r.tool_calls[i])
         # each observation is the calculator's answer to the call just before it
         resp = r.responses()[i]
-        text, scan, j = "", 0, 0
+        scan, j = 0, 0
         for span in spans:
             while True:  # walk to the end of the call that produced this span
                 j += 1

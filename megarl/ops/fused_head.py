@@ -69,7 +69,8 @@ def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab
     lp, ent = _FusedLinearLogProbs.apply(
         x, weight, t, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
         1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad),
-        torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # a backward may come
+        torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad),  # a backward may come
+        bool(with_entropy))  # False: the entropy (NaN) is neither returned nor differentiated
     return restore(lp), (restore(ent) if with_entropy else None)
 
 
@@ -92,13 +93,14 @@ def _chunk_logits(xc, weight, first_pad):
     return z
 
 
-def _chunk_stats(z, t, vocab_start, padded, ignore_index, inv_temp):
-    """(m, s, w, zt) [c] of one chunk's logits: the CUDA kernel when it serves z, else torch."""
+def _chunk_stats(z, t, vocab_start, padded, ignore_index, inv_temp, with_entropy):
+    """(m, s, w, zt) [c] of one chunk's logits: the CUDA kernel when it serves z (one pass for
+    all four), else torch (w only with_entropy: NaN otherwise)."""
     if _ext.use_kernels(z):
         with torch.cuda.device(z.device):
             return _ext.load().logprobs_fwd(z, t, vocab_start, padded, ignore_index, inv_temp, False,
                                             _ext.stream_of(z))
-    return _local_stats(z, t, vocab_start, inv_temp)
+    return _local_stats(z, t, vocab_start, inv_temp, with_moment=with_entropy)
 
 
 def _chunk_grad(z, t, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index):
@@ -115,7 +117,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, t, group, vocab_start, padded, first_pad, inv_temp, ignore_index, step, reduce_grad,
-                keep_one):
+                keep_one, with_entropy):
         N = x.shape[0]
         m, s, mom, zt = torch.empty(4, N, dtype=torch.float32, device=x.device).unbind(0)
         # All tokens in one chunk and a backward to come: keep that chunk's logits for it instead
@@ -125,7 +127,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         for r0 in range(0, N, step):
             r1 = min(N, r0 + step)
             z = _chunk_logits(x[r0:r1], w, first_pad)                          # [c, n]
-            stats = _chunk_stats(z, t[r0:r1], vocab_start, padded, ignore_index, inv_temp)
+            stats = _chunk_stats(z, t[r0:r1], vocab_start, padded, ignore_index, inv_temp, with_entropy)
             for dst, src in zip((m, s, mom, zt), stats):
                 dst[r0:r1] = src
             if not keep:
@@ -144,7 +146,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         group, vocab_start, first_pad, inv_temp, ignore_index, step, reduce_grad = ctx.consts
         need_x, need_w = ctx.needs_input_grad[:2]
         if not (need_x or need_w) or (g_lp is None and g_ent is None):
-            return (None,) * 12
+            return (None,) * 13
         g_lp = None if g_lp is None else g_lp.float().contiguous()
         g_ent = None if g_ent is None else g_ent.float().contiguous()
         N = x.shape[0]
@@ -175,4 +177,4 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             dist.all_reduce(gx, group=group)  # each rank's vocab shard adds its part of dL/dx
         if need_w and gw.dtype != w.dtype:
             gw = gw.to(w.dtype)
-        return gx, gw, None, None, None, None, None, None, None, None, None, None
+        return gx, gw, None, None, None, None, None, None, None, None, None, None, None

@@ -171,10 +171,14 @@ def _chunking(x):
     return step, [torch.empty(step, n, dtype=torch.float32, device=x.device) for _ in range(2)]
 
 
-def _local_stats(x, t, vocab_start, inv_temp):
-    """Torch path of the forward pass over this shard, in row chunks: m, s, w, zt [N] fp32."""
+def _local_stats(x, t, vocab_start, inv_temp, with_moment=True):
+    """Torch path of the forward pass over this shard, in row chunks: m, s, w, zt [N] fp32.
+    with_moment=False: w (the entropy's first moment, three of the seven passes over each chunk)
+    is not computed and comes back NaN, for callers that never read the entropy."""
     N, n = x.shape
     m, s, w, zt = torch.empty(4, N, dtype=torch.float32, device=x.device).unbind(0)
+    if not with_moment:
+        w.fill_(float("nan"))
     if N == 0:
         return m, s, w, zt
     cols, owned = _target_cols(t, vocab_start, n)
@@ -194,7 +198,8 @@ def _local_stats(x, t, vocab_start, inv_temp):
         zt[r0:r1] = z.gather(1, cols[r0:r1, None]).squeeze(1)
         torch.exp(z, out=e)
         torch.sum(e, -1, out=s[r0:r1])
-        torch.sum(z.clamp_(min=_LOG_TINY).mul_(e), -1, out=w[r0:r1])  # -inf logits add 0
+        if with_moment:
+            torch.sum(z.clamp_(min=_LOG_TINY).mul_(e), -1, out=w[r0:r1])  # -inf logits add 0
     return m, s, w, zt.add_(m).masked_fill_(~owned, 0.0)
 
 
@@ -211,6 +216,7 @@ def _grad_torch(x, t, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index
     if N == 0:
         return grad
     ignored = t == ignore_index
+    ignored_rows = torch.nonzero(ignored).flatten()
     keep = (~ignored).float()
     g1 = keep * g_lp if g_lp is not None else torch.zeros_like(keep)
     a = (g1 if g_ent is None else g1 + keep * g_ent * ent) * -inv_temp          # [N]
@@ -228,7 +234,9 @@ def _grad_torch(x, t, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index
         else:
             logp.clamp_(min=_LOG_TINY).mul_(b[r0:r1, None]).add_(a[r0:r1, None]).mul_(p)
         g.scatter_add_(1, cols[r0:r1, None], c[r0:r1, None])
-        g.masked_fill_(ignored[r0:r1, None], 0.0)  # p may overflow on ignored rows
+        skip = ignored_rows[(ignored_rows >= r0) & (ignored_rows < r1)] - r0
+        if skip.numel():
+            g.index_fill_(0, skip, 0.0)  # p may overflow on ignored rows (only their rows: no full pass)
         if x.dtype != torch.float32:
             grad[r0:r1].copy_(g)
     return grad
