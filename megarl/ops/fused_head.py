@@ -151,8 +151,9 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         g_ent = None if g_ent is None else g_ent.float().contiguous()
         N = x.shape[0]
         gx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None  # [N, h]
-        # grad(w) sums over every chunk: accumulated in fp32 (one rounding to w's dtype at the end)
-        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None  # [n, h]
+        # grad(w) sums over every chunk: accumulated in fp32 (one rounding to w's dtype at the end);
+        # the first chunk's product initialises it (no zero-fill pass over [n, h])
+        gw = None  # [n, h]
         for r0 in range(0, N, step):
             r1 = min(N, r0 + step)
             xc = x[r0:r1]
@@ -166,7 +167,9 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             if need_x:
                 torch.mm(dz, w, out=gx[r0:r1])                                 # [c, h]
             if need_w:
-                if gw.dtype == dz.dtype:
+                if gw is None:
+                    gw = torch.mm(dz.t(), xc).float()  # a no-op cast for fp32
+                elif gw.dtype == dz.dtype:
                     gw.addmm_(dz.t(), xc)
                 else:
                     gw.add_(torch.mm(dz.t(), xc))
@@ -175,6 +178,8 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             import torch.distributed as dist
 
             dist.all_reduce(gx, group=group)  # each rank's vocab shard adds its part of dL/dx
+        if need_w and gw is None:  # no tokens
+            gw = torch.zeros_like(w)
         if need_w and gw.dtype != w.dtype:
             gw = gw.to(w.dtype)
         return gx, gw, None, None, None, None, None, None, None, None, None, None, None
