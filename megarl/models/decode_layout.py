@@ -2,11 +2,11 @@
 
 megatron-core's linears compute `x @ W.t()` with W stored [out, in]: MKL's "NT" sgemm. A decode
 step multiplies a few rows (1-64) by every weight, and there, on CPU in fp32, the same product
-with W.t() stored contiguous ("NN") is 1.1-2x faster (docs/benchmarks.md: 151,936 x 256 LM head
-at 9 rows 44 -> 22 ms; 2816 x 512 fc1 at 16 rows 0.76 -> 0.44 ms); at prefill and training sizes
-the two are equal. The values are the same, so the model is the same; only the GEMM's summation
-order differs (fp32 rounding). bf16 weights are not switched: oneDNN's bf16 GEMM is 5-10% faster
-in the stored layout on this class of CPU. On a GPU cuBLAS has no such dip and memory is scarce,
+with W.t() stored contiguous ("NN") is 1.1-2x faster (docs/benchmarks.md: the 151,936 x 256 LM
+head at 4-9 rows 1.5-1.9x, the 2816 x 512 fc1 at 16 rows 1.7x); at prefill and training sizes the
+two are equal. The values are the same, so the model is the same; only the GEMM's summation order
+differs (fp32 rounding). bf16 weights are not switched: there the stored layout was 3-10% faster
+on the CPU we measured. On a GPU cuBLAS has no such dip and memory is scarce,
 so nothing is switched there.
 
 Cost: a second copy of the switched weights for the duration of the call (the [out, in] tensors
