@@ -35,6 +35,7 @@ def _body(rank, world_size):
         with decode_layout.in_major_weights(role.chunks) as n:
             for w, _, ptr, _, values in before:
                 inside.append((w.t().is_contiguous(), w.data_ptr() != ptr, torch.equal(w, values)))
+
         def restored():  # the same memory (views into megatron's buffer stay views), layout and values
             return all(w.untyped_storage().data_ptr() == storage and w.data_ptr() == ptr and w.stride() == stride
                        and torch.equal(w, values) for w, storage, ptr, stride, values in before)
@@ -52,8 +53,9 @@ def _body(rank, world_size):
         greedy = SamplingParams(greedy=True, max_new_tokens=10)
         sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=10)
         runs = [(e.generate(prompts, greedy, seed=0), e.generate(prompts, sampled, seed=4)) for e in (plain, fast)]
-        out[tied] = dict(storages=len({w.untyped_storage().data_ptr() for w in weights}), names=sorted(names[id(w)] for w in weights), switched=n, inside=inside, restored=was_restored,
-                         restored_after_error=restored_after_error,
+        out[tied] = dict(storages=len({w.untyped_storage().data_ptr() for w in weights}),
+                         names=sorted(names[id(w)] for w in weights), switched=n, inside=inside,
+                         restored=was_restored, restored_after_error=restored_after_error,
                          greedy=[r[0].responses() for r in runs], sampled=[r[1].responses() for r in runs],
                          logprob_diff=max(float((a.logprobs - b.logprobs).abs().max())
                                           for a, b in zip(runs[0], runs[1])))

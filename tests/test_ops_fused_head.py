@@ -169,7 +169,8 @@ def test_one_chunk_keeps_its_logits_for_the_backward(monkeypatch):
     torch.testing.assert_close(grads[T][2], grads[T - 1][2], rtol=1e-5, atol=1e-6)
     kept = []
     real_apply = fused_head._FusedLinearLogProbs.apply
-    monkeypatch.setattr(fused_head._FusedLinearLogProbs, "apply", lambda *a: kept.append(a[-2]) or real_apply(*a))  # keep_one
+    # the Function's last two inputs are keep_one and with_entropy
+    monkeypatch.setattr(fused_head._FusedLinearLogProbs, "apply", lambda *a: kept.append(a[-2]) or real_apply(*a))
     with torch.no_grad():  # scoring: no backward will come
         linear_logprobs_and_entropy(x.clone().requires_grad_(), w.clone().requires_grad_(), t)
     linear_logprobs_and_entropy(x, w, t)  # nothing requires grad
