@@ -39,8 +39,7 @@ def main():
     shape = dict(hidden=512, ffn=1408, layers=8, heads=8, kv_heads=8, vocab=32000, prompts=8, samples=8,
                  prompt_len=32, prompt_min=32, new_tokens=128, mean_len=200)
     if args.workload == "realistic":
-        shape.update(hidden=256, ffn=704, layers=4, heads=4, kv_heads=4, vocab=151936, prompts=2, prompt_len=200,
-                     prompt_min=40, new_tokens=1024)
+        shape.update(rl.REALISTIC, prompts=2, prompt_min=40)
     if args.quick:
         shape.update(hidden=128, ffn=352, layers=2, heads=4, kv_heads=4, vocab=4096, prompts=2, samples=4,
                      prompt_len=16, prompt_min=8, new_tokens=32, mean_len=10)

@@ -161,6 +161,9 @@ def build_megarl(args, model_dir: str, prompts_file: str, work: str):
     return RLStage(cfg, os.path.join(work, "rl"))
 
 
+# --workload realistic: the model and lengths (prompts of 40..prompt_len tokens)
+REALISTIC = dict(hidden=256, ffn=704, layers=4, heads=4, kv_heads=4, vocab=151936, prompt_len=200, new_tokens=1024)
+
 PHASES = ("generate", "score_actor", "score_reference", "advantages", "train_actor")
 
 
@@ -537,10 +540,8 @@ def main() -> None:
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
-    realistic = dict(hidden=256, ffn=704, layers=4, heads=4, kv_heads=4, vocab=151936, prompt_len=200,
-                     new_tokens=1024)
     if ap.parse_known_args()[0].workload == "realistic":
-        ap.set_defaults(**realistic)  # explicit options still win
+        ap.set_defaults(**REALISTIC)  # explicit options still win
     args = ap.parse_args()
     args.prompt_min = 40 if args.workload == "realistic" else args.prompt_len
     if args.packing is None:

@@ -18,6 +18,8 @@ import contextlib
 
 import torch
 
+from megarl.models.layout import unwrap
+
 
 def _layout_modules():
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -31,11 +33,12 @@ def switchable_weights(chunks) -> list[torch.nn.Parameter]:
     linears, embedding = _layout_modules()
     found, seen = [], set()
     for chunk in chunks:
+        gpt = unwrap(chunk)
+        head_reads_embedding = gpt.share_embeddings_and_output_weights and gpt.post_process
         for module in chunk.modules():
             w = getattr(module, "weight", None)
             if isinstance(module, embedding):
-                gpt = _owner_gpt(chunk)
-                if not (gpt is not None and gpt.share_embeddings_and_output_weights and gpt.post_process):
+                if not head_reads_embedding:
                     continue
             elif not isinstance(module, linears):
                 continue
@@ -44,12 +47,6 @@ def switchable_weights(chunks) -> list[torch.nn.Parameter]:
                 seen.add(id(w))
                 found.append(w)
     return found
-
-
-def _owner_gpt(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk if hasattr(chunk, "share_embeddings_and_output_weights") else None
 
 
 @contextlib.contextmanager

@@ -216,7 +216,6 @@ def _grad_torch(x, t, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index
     if N == 0:
         return grad
     ignored = t == ignore_index
-    ignored_rows = torch.nonzero(ignored).flatten()
     keep = (~ignored).float()
     g1 = keep * g_lp if g_lp is not None else torch.zeros_like(keep)
     a = (g1 if g_ent is None else g1 + keep * g_ent * ent) * -inv_temp          # [N]
@@ -234,7 +233,7 @@ def _grad_torch(x, t, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index
         else:
             logp.clamp_(min=_LOG_TINY).mul_(b[r0:r1, None]).add_(a[r0:r1, None]).mul_(p)
         g.scatter_add_(1, cols[r0:r1, None], c[r0:r1, None])
-        skip = ignored_rows[(ignored_rows >= r0) & (ignored_rows < r1)] - r0
+        skip = torch.nonzero(ignored[r0:r1]).flatten()
         if skip.numel():
             g.index_fill_(0, skip, 0.0)  # p may overflow on ignored rows (only their rows: no full pass)
         if x.dtype != torch.float32:

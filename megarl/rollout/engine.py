@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models import decode_layout
+from megarl.models.layout import unwrap
 from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens
 from megarl.rollout.tools import ERROR, TIMEOUT, Toolbox
 
@@ -97,13 +98,6 @@ def _model_chunks(role) -> list:
     return chunks
 
 
-def _unwrap(model):
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 class MegatronRolloutEngine(RolloutEngine):
     def __init__(self, role, *, vocab_size: int, pad_id: int, decode: Callable[[list[int]], str] | None = None,
                  max_batch_size: int = 64, max_seq_len: int | None = None, pp_microbatches: int | None = None,
@@ -124,7 +118,7 @@ class MegatronRolloutEngine(RolloutEngine):
             weights while generating). No effect on GPU or for bf16 weights."""
         self.chunks = _model_chunks(role)
         self.model = self.chunks[0]
-        self.gpt = _unwrap(self.model)
+        self.gpt = unwrap(self.model)
         if getattr(self.gpt, "megarl_head", "lm") != "lm":
             raise ValueError(f"rollout needs an LM head, got head={self.gpt.megarl_head!r}")
         if max_batch_size < 1:
