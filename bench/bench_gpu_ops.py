@@ -1,7 +1,8 @@
 """GPU benchmark of the fused CUDA kernels against the HBM floor (and the naive formula).
 
     python bench/bench_gpu_ops.py [--hbm-tbps 3.35] [--tokens 8192] [--vocab 152064] [--iters 20]
-                                  [--json out.json] [--rl-step [--quick]]
+                                  [--json out.json] [--rl-step [--quick] [--workload realistic]]
+    python bench/bench_gpu_ops.py --head [--tokens 16384] [--vocab 152064] [--hidden 4096]
 
 Log-probs/entropy, bf16 logits [tokens, vocab]: the forward must read the logits once, the
 backward read them once more and write the gradient once, so the floors are
@@ -22,6 +23,19 @@ generate phase's seconds) and the step's MFU = model FLOPs / step seconds / the 
 BF16 peak, with model FLOPs = 2 P per generated token (decode) + 2 P per token for each of the
 two scoring forwards (old log-probs, reference) + 6 P per token trained on, P = the GEMM parameters
 (layers + output layer; attention's s^2 FLOPs and the embedding lookup are not counted).
+--workload realistic: the same model with bench_rl_step's realistic lengths and vocabulary (vocab
+151936, prompts of 40..200 tokens, EOS-ended long-tailed responses, mean target 128, up to 512
+new tokens, --quick 256); one stage, rl.packing on and off in turn (a warm-up step each, then
+--steps timed steps each), phase seconds side by side; --profile: torch.profiler tables of one
+more packed step.
+
+--head: the fused output layer + log-prob (megarl.ops.linear_logprobs_and_entropy; "fused-lp"
+without entropy) against output layer -> [T, V] logits -> logprobs_and_entropy ("unfused"), bf16
+hidden [T, h] and weight [V, h] (default 8 x 2048 tokens, V 152064, h 4096: issue 25's memory
+target), scoring (fwd, no grad) and training (fwd+bwd, grads of hidden and weight). Time: CUDA-event
+median; GEMM TFLOP/s over the GEMMs the op needs (fwd 2 T V h; fwd+bwd 6 T V h, the fused path
+recomputes the logits: 8 T V h executed); extra peak: max_memory_allocated above the inputs, the
+gradients subtracted, against one fp32 [T, V] logits tensor.
 """
 import argparse
 import json
@@ -101,27 +115,38 @@ def graph_time_us(fn, calls=20, iters=20):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hbm-tbps", type=float, default=None, help="HBM peak (default: PEAKS by device name)")
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=None, help="logit rows (default 8192; --head 16384)")
     ap.add_argument("--vocab", type=int, default=152064)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--skip-naive", action="store_true", help="naive needs ~3x 5 GB of fp32 copies")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     ap.add_argument("--rl-step", action="store_true", help="rollout tokens/s and RL-step MFU at a 1B shape instead")
     ap.add_argument("--quick", action="store_true", help="--rl-step: 64 new tokens instead of 256")
+    ap.add_argument("--workload", choices=("default", "realistic"), default="default",
+                    help="--rl-step: realistic = 152k vocabulary, ragged EOS-ended responses, packing off vs on")
+    ap.add_argument("--steps", type=int, default=1, help="--rl-step --workload realistic: timed steps each")
+    ap.add_argument("--profile", action="store_true", help="--rl-step --workload realistic: profile a packed step")
+    ap.add_argument("--head", action="store_true", help="fused output layer + log-prob vs logits + op instead")
+    ap.add_argument("--hidden", type=int, default=4096, help="--head: hidden size")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this benchmark needs a GPU")
     name = torch.cuda.get_device_name()
     peaks = device_peaks(name)
-    if args.rl_step:
+    if args.rl_step or args.head:
         if peaks is None:
             raise SystemExit(f"{name} is not in PEAKS (bench/bench_gpu_ops.py): its BF16 peak is unknown")
+        if args.head:
+            return write_json(args.json, name, bench_head(args))
+        if args.workload == "realistic":
+            return write_json(args.json, name, bench_rl_step_realistic(args))
         return write_json(args.json, name, [bench_rl_step(args, peaks[1] * 1e12)])
     if args.hbm_tbps is None:
         if peaks is None:
             raise SystemExit(f"{name} is not in PEAKS (bench/bench_gpu_ops.py): pass --hbm-tbps")
         args.hbm_tbps = peaks[0]
     bw = args.hbm_tbps * 1e12
+    args.tokens = args.tokens or 8192
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, megarl backend "
           f"{kernel_backend()!r}, {time.strftime('%Y-%m-%d')}, HBM peak {args.hbm_tbps} TB/s, "
           f"command: python bench/bench_gpu_ops.py --hbm-tbps {args.hbm_tbps} --tokens {args.tokens} "
@@ -234,6 +259,107 @@ def bench_rl_step(args, bf16_peak_flops):
           f"{seconds:.2f} s | rollout {m['perf/generate_tokens_per_s']:.0f} tokens/s | MFU {100 * mfu:.1f}% |")
     return {"op": "rl_step", "shape": f"1B, {rows} x ({shape.prompt_len} + {new_tokens})", "seconds": seconds,
             "rollout_tokens_per_s": m["perf/generate_tokens_per_s"], "mfu": mfu, "model_flops": flops}
+
+
+def bench_head(args):
+    """Fused output layer + log-prob vs logits + op (see the module docstring's --head)."""
+    import torch.nn.functional as F
+
+    from megarl.ops import linear_logprobs_and_entropy
+
+    T, V, h = args.tokens or 16384, args.vocab, args.hidden
+    torch.manual_seed(0)
+    hidden = torch.randn(T, h, device="cuda", dtype=torch.bfloat16)
+    weight = (torch.randn(V, h, device="cuda") * h ** -0.5).to(torch.bfloat16)
+    t = torch.randint(0, V, (T,), device="cuda")
+    logits_mib = T * V * 4 / 2**20
+    grads_mib = (hidden.numel() + weight.numel()) * 2 / 2**20
+    impls = {"fused": lambda x, w: linear_logprobs_and_entropy(x, w, t),
+             "fused-lp": lambda x, w: linear_logprobs_and_entropy(x, w, t, with_entropy=False),
+             "unfused": lambda x, w: logprobs_and_entropy(F.linear(x, w), t)}
+    with torch.no_grad():
+        ref = impls["unfused"](hidden, weight)
+        got = impls["fused"](hidden, weight)
+    diff = max((a - b).abs().max().item() for a, b in zip(got, ref))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, backend {kernel_backend()!r}, "
+          f"{time.strftime('%Y-%m-%d')}, command: python bench/bench_gpu_ops.py --head --tokens {T} --vocab {V} "
+          f"--hidden {h} --iters {args.iters}")
+    print(f"<!-- fused vs unfused (bf16): max abs diff of log-prob / entropy {diff:.2e} -->\n")
+    print("| mode | impl | time | GEMM TFLOP/s | extra peak MiB | % of fp32 logits |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for mode in ("fwd", "fwd+bwd"):
+        bwd = mode == "fwd+bwd"
+        x, w = hidden.detach().requires_grad_(bwd), weight.detach().requires_grad_(bwd)
+
+        for impl, fn in impls.items():
+            def once(fn=fn):
+                x.grad = w.grad = None
+                if bwd:
+                    lp, ent = fn(x, w)
+                    (lp.sum() + (0.0 if ent is None else ent.sum())).backward()
+                else:
+                    with torch.no_grad():
+                        fn(x, w)
+
+            ms = cuda_time(once, args.iters)
+            extra = peak_extra_mib(once, reset=lambda: (setattr(x, "grad", None), setattr(w, "grad", None)))
+            extra -= grads_mib if bwd else 0.0
+            flops = (6 if bwd else 2) * T * V * h
+            rows.append({"op": f"head_{mode}", "shape": f"bf16 {T}x{V}x{h}", "impl": impl, "ms": ms,
+                         "tflops": flops / ms / 1e9, "extra_mib": extra, "pct_of_logits": 100 * extra / logits_mib})
+            print(f"| {mode} | {impl} | {ms:.2f} ms | {flops / ms / 1e9:.0f} | {extra:.0f} | "
+                  f"{100 * extra / logits_mib:.1f}% |", flush=True)
+        x.grad = w.grad = None
+    return rows
+
+
+def bench_rl_step_realistic(args):
+    """Phase seconds of GRPO steps at the 1B shape on the realistic workload, rl.packing off and
+    on in turn on one stage (one warm-up step each, then --steps timed steps each, interleaved):
+    the generate phase is the same code in both, so its spread is the noise."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_rl_step as rl
+
+    new_tokens = 256 if args.quick else 512
+    shape = argparse.Namespace(hidden=2048, ffn=5632, layers=16, heads=16, kv_heads=8, vocab=151936, prompts=8,
+                               samples=8, prompt_len=200, prompt_min=40, new_tokens=new_tokens, mean_len=128,
+                               micro_batch=8, beta=0.04, old_logprobs="recompute", max_pos=200 + new_tokens,
+                               workload="realistic", packing="on", precision="bf16")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, command: "
+          f"python bench/bench_gpu_ops.py --rl-step --workload realistic --steps {args.steps}"
+          f"{' --quick' if args.quick else ''}{' --profile' if args.profile else ''}\n")
+    print("| step | rl.packing | step s | " + " | ".join(rl.PHASES) + " | response len mean / max | peak GiB |")
+    print("|---|---|---|" + "---|" * len(rl.PHASES) + "---|---|")
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        model_dir, prompts_file = rl.build_assets(shape, work)
+        stage = rl.build_megarl(shape, model_dir, prompts_file, work)
+        plan = ["on", "off"] * (1 + args.steps)  # the first two are warm-ups
+        for step, packing in enumerate(plan, start=1):
+            stage.cfg.rl.packing = packing == "on"
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            r = rl.megarl_step(stage, step)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            lens = r["response_lens"]
+            label = f"{step}{' (warm-up)' if step <= 2 else ''}"
+            print(f"| {label} | {packing} | {r['wall']:.2f} | " + " | ".join(f"{r['phases'][p]:.2f}" for p in rl.PHASES)
+                  + f" | {sum(lens) / len(lens):.0f} / {max(lens)} | {peak:.1f} |", flush=True)
+            if step > 2:
+                rows.append({"op": "rl_step_realistic", "packing": packing, "seconds": r["wall"],
+                             "phases": r["phases"], "response_lens": lens, "peak_gib": peak})
+        if args.profile:  # where one packed step's scoring and training time goes
+            from torch.profiler import ProfilerActivity, profile
+
+            stage.cfg.rl.packing = True
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                rl.megarl_step(stage, len(plan) + 1)
+                torch.cuda.synchronize()
+            for key in ("self_cpu_time_total", "self_device_time_total"):
+                print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60))
+    return rows
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ fused output layer (megarl.ops.linear_logprobs_and_entropy) vs output layer + op
 
 --head: hidden [T, h] and the output weight [V, h] go to per-token log-prob + entropy, either
 "unfused" (F.linear -> [T, V] logits -> logprobs_and_entropy, as RL scores and trains today)
-or "fused" (chunked over tokens, no logits), and "fused-lp" (fused, log-probs only: what RL
+or "fused" (chunked, no logits), and "fused-lp" (fused, log-probs only: what RL
 scores and trains without an entropy bonus). fwd = scoring (no grad), fwd+bwd = training (grad
 of hidden and weight). Besides the RSS figure, the op's own allocations are counted by the torch
 profiler (profile_memory: every CPU allocation and free; "alloc peak" is the highest running

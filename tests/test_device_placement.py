@@ -49,6 +49,11 @@ def test_role_parameters_are_on_the_gpu(monkeypatch):
         for head in ("lm", "scalar"):
             role = Role("actor", mc, ParallelConfig(), head=head, precision="bf16", seed=1, optim=OptimConfig())
             assert {p.device.type for c in role.chunks for p in c.parameters()} == {"cuda"}, head
+        # the decode-time [in, out] weight layout is a CPU (MKL) choice: fp32 weights on a GPU stay
+        from megarl.models import decode_layout
+
+        fp32 = Role("actor32", mc, ParallelConfig(), head="lm", precision="fp32", seed=1)
+        assert decode_layout.switchable_weights(fp32.chunks) == []
     finally:
         teardown()
 

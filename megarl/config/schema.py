@@ -257,11 +257,12 @@ class RLConfig:
     # since they are log-probs of the filtered distribution)
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
     # log-probs in scoring and training straight from the hidden states and the output weight,
-    # chunked over tokens (megarl.ops.head_logprobs): the [tokens, V] logits never exist; false:
+    # chunked (megarl.ops.head_logprobs): the [tokens, V] logits never exist; false:
     # through the logits (same results within fp32 rounding)
     fused_head: bool = True
     # scoring and training micro-batches as rows packed into one sequence (attention within rows):
-    # no padding; needs megarl's attention on the local layer spec (no TE, no sequence parallel)
+    # no padding; needs megarl's attention on the local layer spec (no TE, no sequence parallel).
+    # Pays on CPU; on an H100 it made the actor's scoring and training 3-4x slower (benchmarks.md)
     packing: bool = False
     # updates
     ppo_epochs: int = 1

@@ -1,5 +1,5 @@
 """Fused ops: per-token log-probs/entropy over vocab-parallel logits (or straight from the hidden
-states and the output weight, chunked over tokens: no logits), and GAE.
+states and the output weight, chunk by chunk: no logits), and GAE.
 
 These are the only place in megarl where these quantities are computed. CUDA tensors use the
 kernels of csrc/ (megarl._C) when they are built; everything else, and any machine without

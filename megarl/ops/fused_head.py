@@ -1,14 +1,15 @@
-"""Output layer + per-token log-prob/entropy in one op, chunked over tokens: no [tokens, V] logits.
+"""Output layer + per-token log-prob/entropy in one op, chunk by chunk: no [tokens, V] logits.
 
 The unfused path materialises the output layer's logits [T, V/tp] and keeps them for the
 backward (8 x 4096 tokens x 152k vocab is 20 GB in fp32). Here the hidden states [T, h] go
 through the (vocab-parallel) output weight [V/tp, h] a chunk of tokens at a time; each chunk's
 logits are reduced straight to the four row statistics of `logprobs.py` (max, sum-exp, first
 moment, target logit) and dropped. The TP reductions (one MAX, one packed SUM) run once over all
-tokens after the chunk loop, exactly as in `logprobs_and_entropy`. The backward recomputes each
-chunk's logits, turns them in place into their gradient, and accumulates grad(hidden) = dZ W and
-grad(W) += dZ^T X, so the peak extra memory is one chunk's logits whatever the token count
-(when every token fits in one chunk, that chunk is kept for the backward instead of recomputed).
+tokens after the chunk loop, exactly as in `logprobs_and_entropy`. The backward recomputes the
+logits a slice of vocabulary columns at a time (all tokens), turns them into their gradient,
+writes that slice of grad(W) = dZ^T X with one GEMM and accumulates grad(hidden) += dZ W, so the
+peak extra memory is about two chunks' logits whatever the token count (when every token fits in
+one chunk, the forward keeps that chunk for the backward instead of recomputing it).
 Same maths (and same dtypes: the GEMM runs in the inputs' dtype, the statistics in fp32) as
 output layer -> `mask_padded_vocab` -> `logprobs_and_entropy`.
 """
@@ -21,6 +22,11 @@ from .logprobs import _as_rows, _grad_torch, _group_info, _local_stats, _reduce_
 # Logit elements per token chunk (one chunk's fp32 logits: 256 MiB): at V = 152k that is 441
 # tokens, enough rows for the GEMM to run at full speed and < 3% of 8 x 2048 tokens' logits.
 _CHUNK_LOGIT_ELEMS = 1 << 26
+# Fewest vocabulary columns in one backward chunk (see _FusedLinearLogProbs.backward).
+_MIN_COLS = 256
+# Chunk widths (tokens, columns) are multiples of this: a bf16 GEMM with a dimension off the
+# tensor cores' alignment ran 5-8x slower on an H100 (4093 vs 4096 columns: 96 vs 761 TFLOP/s).
+_ALIGN = 64
 # What `models.gpt.mask_padded_vocab` writes into the padding columns: zero probability, and
 # finite, so p * logit is 0 (not NaN) in the entropy.
 _PAD_LOGIT = -1e30
@@ -66,6 +72,8 @@ def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab
         raise ValueError(f"vocab_size ({vocab_size}) must be in [1, {padded}] (the weight's rows x TP size)")
     first_pad = n if vocab_size is None else min(max(vocab_size - n * tp_rank, 0), n)  # local column
     step = chunk_size or max(1, _CHUNK_LOGIT_ELEMS // n)
+    if chunk_size is None and step > _ALIGN:
+        step = step // _ALIGN * _ALIGN
     lp, ent = _FusedLinearLogProbs.apply(
         x, weight, t, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
         1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad),
@@ -149,37 +157,45 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             return (None,) * 13
         g_lp = None if g_lp is None else g_lp.float().contiguous()
         g_ent = None if g_ent is None else g_ent.float().contiguous()
-        N = x.shape[0]
-        gx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None  # [N, h]
-        # grad(w) sums over every chunk: accumulated in fp32 (one rounding to w's dtype at the end);
-        # the first chunk's product initialises it (no zero-fill pass over [n, h])
-        gw = None  # [n, h]
-        for r0 in range(0, N, step):
-            r1 = min(N, r0 + step)
-            xc = x[r0:r1]
-            z, ctx.kept_logits = ctx.kept_logits, None
-            if z is None:
-                z = _chunk_logits(xc, w, first_pad)                            # [c, n]
-            dz = _chunk_grad(z, t[r0:r1], lse[r0:r1], ent[r0:r1],
-                             None if g_lp is None else g_lp[r0:r1], None if g_ent is None else g_ent[r0:r1],
-                             vocab_start, inv_temp, ignore_index)
+        N, n = x.shape[0], w.shape[0]
+        # The backward walks the vocabulary, not the tokens: a chunk is the logits of every token
+        # for a slice of columns [c0, c1) (as many elements as a forward chunk). Each slice of
+        # grad(w) = dZ[:, c0:c1]^T X is then written once, by one GEMM over all tokens; chunking
+        # over tokens instead would add every chunk's [n, h] product into an fp32 accumulator (a
+        # read and a write of n h fp32 per chunk: on a GPU at V = 152k, h = 4096 that traffic took
+        # more time than the GEMMs). What is accumulated over slices is grad(x) [N, h], N h per
+        # slice. d loss / d z needs only each row's lse and entropy, which the forward kept.
+        # vocab columns per chunk; at least _MIN_COLS: grad(x)'s GEMM runs short in K below that,
+        # and each slice adds one more fp32 rounding to grad(x)
+        cols = max(_MIN_COLS, (step * n) // max(N, 1) // _ALIGN * _ALIGN)
+        kept, ctx.kept_logits = ctx.kept_logits, None  # [N, n] when the forward kept its one chunk
+        if kept is not None:
+            cols = n  # every logit fits in one chunk: use the forward's
+        gx = None  # [N, h], fp32 while accumulating
+        gw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_w else None  # [n, h]
+        for c0 in range(0, n, cols):
+            c1 = min(n, c0 + cols)
+            wc = w[c0:c1]                                                      # [vc, h]
+            z = kept if kept is not None else _chunk_logits(x, wc, max(first_pad - c0, 0))
+            kept = None
+            dz = _chunk_grad(z, t, lse, ent, g_lp, g_ent, vocab_start + c0, inv_temp, ignore_index)  # [N, vc]
             del z
             if need_x:
-                torch.mm(dz, w, out=gx[r0:r1])                                 # [c, h]
-            if need_w:
-                if gw is None:
-                    gw = torch.mm(dz.t(), xc).float()  # a no-op cast for fp32
-                elif gw.dtype == dz.dtype:
-                    gw.addmm_(dz.t(), xc)
+                if gx is None:
+                    gx = torch.mm(dz, wc).float()  # a no-op cast for fp32
+                elif gx.dtype == dz.dtype:
+                    gx.addmm_(dz, wc)
                 else:
-                    gw.add_(torch.mm(dz.t(), xc))
+                    gx.add_(torch.mm(dz, wc))
+            if need_w:
+                torch.mm(dz.t(), x, out=gw[c0:c1])                             # [vc, h]
             del dz
-        if need_x and group is not None and reduce_grad:
-            import torch.distributed as dist
+        if need_x:
+            if gx is None:  # no tokens or no columns
+                gx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            gx = gx.to(x.dtype)
+            if group is not None and reduce_grad:
+                import torch.distributed as dist
 
-            dist.all_reduce(gx, group=group)  # each rank's vocab shard adds its part of dL/dx
-        if need_w and gw is None:  # no tokens
-            gw = torch.zeros_like(w)
-        if need_w and gw.dtype != w.dtype:
-            gw = gw.to(w.dtype)
+                dist.all_reduce(gx, group=group)  # each rank's vocab shard adds its part of dL/dx
         return gx, gw, None, None, None, None, None, None, None, None, None, None, None
