@@ -342,3 +342,18 @@ def test_cuda_chunks_use_kernels_and_match_cpu(dtype, with_entropy):
     tol = GRAD_TOL if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2e-3)
     for a, b in zip(grads["cuda"], grads["cpu"]):
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_no_tokens_and_all_ignored_give_zero_gradients():
+    """Edge cases of the vocabulary-walking backward: zero tokens, and tokens that are all
+    ignore_index (every slice's gradient is zero; grad(W) is still written, as zeros)."""
+    g = torch.Generator().manual_seed(21)
+    w = torch.randn(300, 8, generator=g).requires_grad_()
+    for shape, fill in (((0,), 0), ((2, 3), -100)):
+        x = torch.randn(*shape, 8, generator=g).requires_grad_()
+        w.grad = None
+        lp, ent = linear_logprobs_and_entropy(x, w, torch.full(shape, fill), chunk_size=1)
+        (lp.sum() + ent.sum()).backward()
+        assert lp.shape == shape and not lp.any() and not ent.any()
+        assert x.grad.shape == x.shape and not x.grad.any()
+        assert w.grad.shape == w.shape and not w.grad.any()
