@@ -125,6 +125,24 @@ def test_rl_step_verdicts():
     assert doctor.rl_step_result({"rows": []})[0] == "FAIL"
 
 
+def _head_report(pct_fwd=1.2, pct_bwd=3.9):
+    row = lambda mode, impl, pct, ms: {"op": f"head_{mode}", "shape": "bf16 16384x152064x4096", "impl": impl,
+                                       "ms": ms, "tflops": 600.0, "extra_mib": 93.0 * pct, "pct_of_logits": pct}
+    return {"rows": [row("fwd", "fused", pct_fwd, 34.2), row("fwd", "unfused", 50.0, 30.8),
+                     row("fwd+bwd", "fused", pct_bwd, 142.7), row("fwd+bwd", "unfused", 86.2, 93.1)]}
+
+
+def test_fused_head_verdicts():
+    status, reason, figures = doctor.head_result(_head_report())
+    assert status == "PASS" and set(figures) == {"head_fwd", "head_fwd+bwd"}
+    assert reason == "fwd 34.2 ms, 112 MiB (1.2% of the logits), fwd+bwd 142.7 ms, 363 MiB (3.9% of the logits)"
+    assert figures["head_fwd+bwd"]["unfused_ms"] == 93.1
+    status, reason, _ = doctor.head_result(_head_report(pct_bwd=26.3))
+    assert status == "FAIL" and reason == "extra peak memory over the bound: head_fwd+bwd 26.3% > 10%"
+    assert doctor.head_result(_head_report(pct_fwd=float("nan")))[0] == "FAIL"
+    assert doctor.head_result({"rows": _head_report()["rows"][:2]})[0] == "FAIL"  # one mode missing
+
+
 def test_run_check_builds_each_command_and_judges_its_result():
     seen = []
 
@@ -136,6 +154,8 @@ def test_run_check_builds_each_command_and_judges_its_result():
         seen.append(argv[1:])
         if "--rl-step" in argv:
             return 0, "", {"rows": [{"op": "rl_step", "shape": "1B", "rollout_tokens_per_s": 1.0, "mfu": 0.1}]}
+        if "--head" in argv:
+            return 0, "", _head_report()
         return 0, "", _bench_report()
 
     quick = argparse.Namespace(**{**vars(GPU_ARGS), "quick": True, "hbm_tbps": 4.8})
@@ -144,7 +164,8 @@ def test_run_check_builds_each_command_and_judges_its_result():
     assert seen[0] == ["-m", "pytest", "-q", "-m", "gpu", *doctor.QUICK_TESTS]
     assert seen[1] == ["bench/bench_gpu_ops.py", "--hbm-tbps", "4.8", "--skip-naive", "--tokens", "2048", "--iters", "5"]
     assert seen[2][-1].startswith("tests/test_fp8.py::") and seen[3][-1].startswith("tests/test_offload.py::")
-    assert seen[4] == ["bench/bench_gpu_ops.py", "--rl-step", "--quick"]
+    assert seen[4] == ["bench/bench_gpu_ops.py", "--head", "--iters", "3"]
+    assert seen[5] == ["bench/bench_gpu_ops.py", "--rl-step", "--quick"]
     subset = argparse.Namespace(**{**vars(GPU_ARGS), "tests": "fp8 or offload"})
     seen.clear()
     doctor.run_check("gpu_tests", subset, run=run)

@@ -13,6 +13,9 @@ built. --gpu adds the checks no CPU can make, each PASS / FAIL / SKIPPED with it
                   peak; PASS when every megarl row reaches HBM_FLOORS
   fp8_vs_bf16     tests/test_fp8.py's 50-step SFT loss curves, FP8 against BF16 (Hopper+ and TE)
   offload_memory  tests/test_offload.py's CUDA offload: bit-exact, and device memory freed
+  fused_head      bench/bench_gpu_ops.py --head: the fused output layer + log-prob at 8 x 2,048
+                  tokens and V = 152k (bf16); PASS when its extra peak memory, scoring and
+                  training, stays <= HEAD_MEMORY_PCT of one fp32 [tokens, V] logits tensor
   rl_step         bench/bench_gpu_ops.py --rl-step: rollout tokens/s and the RL step's MFU at a
                   1B-class shape (PASS: it ran and gave finite figures; the numbers are the result)
 
@@ -59,6 +62,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # the log-prob op is one read (fwd) or read + read + write (fwd+bwd) of the logits; GAE is a
 # 12.5 us kernel on an H100, where launch and tail effects weigh more
 HBM_FLOORS = {"logprobs_fwd": 50.0, "logprobs_fwd_bwd": 50.0, "gae_graph": 25.0}
+# the fused head's extra peak memory (bench_gpu_ops.py --head), % of one fp32 [tokens, V] logits
+# tensor: one chunk of logits (and its gradient) at 8 x 2,048 tokens, V = 152k
+HEAD_MEMORY_PCT = 10.0
 QUICK_TESTS = ["tests/test_ops_logprobs.py", "tests/test_ops_gae.py", "tests/test_attention.py"]
 
 
@@ -254,7 +260,25 @@ def rl_step_result(report: dict) -> tuple[str, str, dict]:
     return "PASS", f"rollout {tps:.0f} tokens/s, RL step MFU {100 * mfu:.1f}% ({row['shape']})", row
 
 
-GPU_CHECKS = ("gpu_tests", "kernels_hbm", "fp8_vs_bf16", "offload_memory", "rl_step")
+def head_result(report: dict) -> tuple[str, str, dict]:
+    """PASS when the fused head's extra peak memory stays <= HEAD_MEMORY_PCT in both modes."""
+    rows = {r["op"]: r for r in report.get("rows", []) if r.get("impl") == "fused"}
+    unfused = {r["op"]: r for r in report.get("rows", []) if r.get("impl") == "unfused"}
+    if set(rows) != {"head_fwd", "head_fwd+bwd"}:
+        return "FAIL", "bench_gpu_ops.py --head reported no fused rows for both modes", {}
+    figures = {op: {"ms": round(r["ms"], 2), "extra_mib": round(r["extra_mib"], 1),
+                    "pct_of_logits": round(r["pct_of_logits"], 1),
+                    "unfused_ms": round(unfused[op]["ms"], 2) if op in unfused else None}
+               for op, r in rows.items()}
+    over = [f"{op} {r['pct_of_logits']:.1f}% > {HEAD_MEMORY_PCT:.0f}%" for op, r in rows.items()
+            if not r["pct_of_logits"] <= HEAD_MEMORY_PCT]
+    if over:
+        return "FAIL", "extra peak memory over the bound: " + "; ".join(over), figures
+    return "PASS", ", ".join(f"{op.removeprefix('head_')} {f['ms']:.1f} ms, {f['extra_mib']:.0f} MiB "
+                             f"({f['pct_of_logits']:.1f}% of the logits)" for op, f in figures.items()), figures
+
+
+GPU_CHECKS = ("gpu_tests", "kernels_hbm", "fp8_vs_bf16", "offload_memory", "fused_head", "rl_step")
 
 
 def skip_reason(name: str, devices: list[DeviceInfo], no_device: str, repo: str = REPO) -> str:
@@ -301,6 +325,8 @@ def run_check(name: str, args, run: Callable = run_command, bench: Callable = ru
         argv += [*(["--hbm-tbps", str(args.hbm_tbps)] if args.hbm_tbps else []), "--skip-naive",
                  *(["--tokens", "2048", "--iters", "5"] if args.quick else [])]
         judge = hbm_result
+    elif name == "fused_head":
+        argv, judge = [*argv, "--head", "--iters", "3" if args.quick else "10"], head_result
     else:
         argv, judge = [*argv, "--rl-step", *(["--quick"] if args.quick else [])], rl_step_result
     rc, out, report = bench(argv, 1800)
