@@ -140,7 +140,7 @@ def test_no_logits_saved_for_backward_and_chunk_bounded(monkeypatch):
     """The autograd graph keeps nothing of [T, V] size, and no logits tensor exceeds one chunk:
     the forward's are `chunk` tokens x V, the backward's every token x a slice of columns."""
     T, h, n, chunk = 96, 16, 5000, 10
-    x, w, t = make(T, h, n, seed=6)
+    x, w, t = make(T, h, n, seed=6, ignore_frac=0.0)  # every token counts: chunks of exactly `chunk` rows
     x.requires_grad_(), w.requires_grad_()
     saved = []
     shapes = []
@@ -162,7 +162,7 @@ def test_one_chunk_keeps_its_logits_for_the_backward(monkeypatch):
     """All tokens in one chunk: the backward reuses the forward's logits (one logits GEMM, not
     two) and gives the same gradients as recomputing them; without grad nothing is kept."""
     T, h, n = 40, 16, 300
-    x, w, t = make(T, h, n, seed=8, vocab_size=290)
+    x, w, t = make(T, h, n, seed=8, vocab_size=290, ignore_frac=0.0)
     calls = []
     real = fused_head._chunk_logits
     monkeypatch.setattr(fused_head, "_chunk_logits", lambda xc, ww, fp: calls.append(xc.shape[0]) or real(xc, ww, fp))
@@ -357,3 +357,30 @@ def test_no_tokens_and_all_ignored_give_zero_gradients():
         assert lp.shape == shape and not lp.any() and not ent.any()
         assert x.grad.shape == x.shape and not x.grad.any()
         assert w.grad.shape == w.shape and not w.grad.any()
+
+
+def test_ignored_tokens_never_reach_the_output_layer(monkeypatch):
+    """A padded micro-batch's ignored tokens are left out of the GEMMs (forward and backward),
+    with the same log-probs, entropies and gradients as when every token goes through."""
+    x, w, t = make(60, 16, 400, seed=23, ignore_frac=0.4)
+    n_valid = int((t != -100).sum())
+    assert 0 < n_valid < 60
+    rows = []
+    real = fused_head._chunk_logits
+    monkeypatch.setattr(fused_head, "_chunk_logits", lambda xc, ww, fp: rows.append(xc.shape[0]) or real(xc, ww, fp))
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, ent = linear_logprobs_and_entropy(xx, ww, t, chunk_size=7)
+    backprop_mix(lp, ent)
+    assert sum(rows[: -(-n_valid // 7)]) == n_valid and max(rows) == n_valid  # forward chunks, then backward
+    # every token through the op (targets made valid), the ignored ones' contributions masked off
+    monkeypatch.setattr(fused_head, "_chunk_logits", real)
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    keep = t != -100
+    lp2, ent2 = linear_logprobs_and_entropy(x2, w2, t.clamp(min=0), chunk_size=7)
+    lp2, ent2 = lp2 * keep, ent2 * keep
+    backprop_mix(lp2, ent2)
+    torch.testing.assert_close(lp, lp2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ent, ent2, rtol=1e-6, atol=1e-6)
+    assert not lp[~keep].any() and not ent[~keep].any() and not xx.grad[~keep].any()
+    torch.testing.assert_close(xx.grad, x2.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ww.grad, w2.grad, rtol=1e-5, atol=1e-6)

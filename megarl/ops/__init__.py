@@ -8,7 +8,7 @@ them, uses a frugal torch path with the same semantics (logged once on `megarl.o
 from ._ext import kernel_backend
 from .advantages import gae, gae_packed
 from .fused_head import head_logprobs, linear_logprobs_and_entropy
-from .logprobs import logprobs_and_entropy
+from .logprobs import IGNORE_INDEX, logprobs_and_entropy
 
-__all__ = ["logprobs_and_entropy", "linear_logprobs_and_entropy", "head_logprobs", "gae", "gae_packed",
+__all__ = ["IGNORE_INDEX", "logprobs_and_entropy", "linear_logprobs_and_entropy", "head_logprobs", "gae", "gae_packed",
            "kernel_backend"]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ext
-from .logprobs import _as_rows, _grad_torch, _group_info, _local_stats, _reduce_and_finalize
+from .logprobs import IGNORE_INDEX, _as_rows, _grad_torch, _group_info, _local_stats, _reduce_and_finalize
 
 # Logit elements per token chunk (one chunk's fp32 logits: 256 MiB): at V = 152k that is 441
 # tokens, enough rows for the GEMM to run at full speed and < 3% of 8 x 2048 tokens' logits.
@@ -33,7 +33,8 @@ _PAD_LOGIT = -1e30
 
 
 def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab_size=None, temperature=1.0,
-                                with_entropy=True, ignore_index=-100, chunk_size=None, reduce_hidden_grad=True):
+                                with_entropy=True, ignore_index=IGNORE_INDEX, chunk_size=None,
+                                reduce_hidden_grad=True):
     """log p(target) and the entropy of softmax(hidden @ weight.T / temperature), per token.
 
     hidden: [..., h] (e.g. [b, s, h] or [T, h]; strided views such as a [b, s, h] transpose of
@@ -74,15 +75,27 @@ def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab
     step = chunk_size or max(1, _CHUNK_LOGIT_ELEMS // n)
     if chunk_size is None and step > _ALIGN:
         step = step // _ALIGN * _ALIGN
+    # Ignored tokens (padding of a padded micro-batch, prompt columns) never reach the output
+    # layer: the GEMMs run over the rows that count only. Every TP rank holds the same targets,
+    # so every rank keeps the same rows. (One host read of the count: a sync on a GPU.)
+    valid = t != ignore_index
+    kept_rows = None
+    if int(valid.sum()) < t.numel():
+        kept_rows = valid.nonzero().squeeze(1)                                  # [N']
+        x, t = x.index_select(0, kept_rows), t.index_select(0, kept_rows)       # differentiable in x
     lp, ent = _FusedLinearLogProbs.apply(
         x, weight, t, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
         1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad),
         torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad),  # a backward may come
         bool(with_entropy))  # False: the entropy (NaN) is neither returned nor differentiated
+    if kept_rows is not None:  # ignored rows: 0, and no gradient
+        lp = lp.new_zeros(valid.shape).index_copy(0, kept_rows, lp)
+        ent = ent.new_zeros(valid.shape).index_copy(0, kept_rows, ent) if with_entropy else ent
     return restore(lp), (restore(ent) if with_entropy else None)
 
 
-def head_logprobs(head, labels, *, temperature=1.0, with_entropy=False, ignore_index=-100, chunk_size=None):
+def head_logprobs(head, labels, *, temperature=1.0, with_entropy=False, ignore_index=IGNORE_INDEX,
+                  chunk_size=None):
     """`linear_logprobs_and_entropy` on what a model returns with `return_hidden=True`
     (`megarl.models.gpt.HeadStates`: hidden [b, s - c, h], the output weight, the TP group, the
     real vocabulary, whether grad(hidden) is already summed over TP). labels: [b, s - c].

@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from . import _ext
 
+# The target id that means "no token here": log-prob and entropy 0, no gradient.
+IGNORE_INDEX = -100
 # fp32 elements per row chunk of the torch path: two such workspaces (8 MiB) at most are live;
 # 1M was the fastest of 1M/2M/4M on this project's CPU benchmarks (docs/benchmarks.md).
 _CHUNK_ELEMS = 1 << 20
@@ -21,7 +23,7 @@ _LOG_TINY = -1.0e4
 
 
 def logprobs_and_entropy(logits, targets, *, tp_group=None, temperature=1.0, with_entropy=True,
-                         ignore_index=-100):
+                         ignore_index=IGNORE_INDEX):
     """log p(target) and the entropy of softmax(logits / temperature), per token.
 
     logits: [..., V/tp] local vocabulary shard (fp32, bf16 or fp16); rank r of tp_group holds

@@ -178,12 +178,15 @@ def _token_logprobs(vocab_size: int, temperature: float, with_entropy: bool = Fa
     from megatron.core import parallel_state as ps
 
     from megarl.models.gpt import HeadStates
-    from megarl.ops import head_logprobs, logprobs_and_entropy
+    from megarl.ops import IGNORE_INDEX, head_logprobs, logprobs_and_entropy
 
     def fn(batch, output):
-        labels = batch["labels"]
+        labels, mask = batch["labels"], batch["mask"]
         if "unpack" in batch:  # packed rows: the head's columns in sequence order, [1, T']
-            labels = labels[batch["unpack"]][None]
+            labels, mask = labels[batch["unpack"]][None], mask[batch["unpack"]][None]
+        # tokens no loss reads (padding, observations) get log-prob 0 and no gradient; the fused
+        # head leaves them out of its GEMMs
+        labels = labels.masked_fill(~mask, IGNORE_INDEX)
         if isinstance(output, HeadStates):  # hidden [b, s, h] + the output weight
             logp, entropy = head_logprobs(output, labels, temperature=temperature, with_entropy=with_entropy)
         else:
