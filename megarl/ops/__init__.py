@@ -10,5 +10,5 @@ from .advantages import gae, gae_packed
 from .fused_head import head_logprobs, linear_logprobs_and_entropy
 from .logprobs import IGNORE_INDEX, logprobs_and_entropy
 
-__all__ = ["IGNORE_INDEX", "logprobs_and_entropy", "linear_logprobs_and_entropy", "head_logprobs", "gae", "gae_packed",
-           "kernel_backend"]
+__all__ = ["IGNORE_INDEX", "logprobs_and_entropy", "linear_logprobs_and_entropy", "head_logprobs", "gae",
+           "gae_packed", "kernel_backend"]
