@@ -27,7 +27,7 @@ two scoring forwards (old log-probs, reference) + 6 P per token trained on, P = 
 151936, prompts of 40..200 tokens, EOS-ended long-tailed responses, mean target 128, up to 512
 new tokens, --quick 256); one stage, rl.packing on and off in turn (a warm-up step each, then
 --steps timed steps each), phase seconds side by side; --profile: torch.profiler tables of one
-more packed step.
+more packed step's scoring and training (the profiler starts when its generation returns).
 
 --head: the fused output layer + log-prob (megarl.ops.linear_logprobs_and_entropy; "fused-lp"
 without entropy) against output layer -> [T, V] logits -> logprobs_and_entropy ("unfused"), bf16
@@ -353,12 +353,29 @@ def bench_rl_step_realistic(args):
         if args.profile:  # where one packed step's scoring and training time goes
             from torch.profiler import ProfilerActivity, profile
 
+            # the profiler starts when generation returns: thousands of decode steps' events
+            # would take minutes to summarise, and the question is scoring and training
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True)
+            generate = stage.engine.generate
+
+            def generate_then_profile(*a, **k):
+                out = generate(*a, **k)
+                torch.cuda.synchronize()
+                prof.start()
+                return out
+
             stage.cfg.rl.packing = True
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            stage.engine.generate = generate_then_profile
+            try:
                 rl.megarl_step(stage, len(plan) + 1)
                 torch.cuda.synchronize()
+            finally:
+                prof.stop()
+                stage.engine.generate = generate
             for key in ("self_cpu_time_total", "self_device_time_total"):
                 print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60))
+            print(prof.key_averages(group_by_input_shape=True).table(sort_by="cpu_time_total", row_limit=10,
+                                                                     max_name_column_width=40))
     return rows
 
 
