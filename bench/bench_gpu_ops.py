@@ -322,9 +322,10 @@ def bench_rl_step_realistic(args):
     import bench_rl_step as rl
 
     new_tokens = 256 if args.quick else 512
-    shape = argparse.Namespace(hidden=2048, ffn=5632, layers=16, heads=16, kv_heads=8, vocab=151936, prompts=8,
-                               samples=8, prompt_len=200, prompt_min=40, new_tokens=new_tokens, mean_len=128,
-                               micro_batch=8, beta=0.04, old_logprobs="recompute", max_pos=200 + new_tokens,
+    shape = argparse.Namespace(hidden=2048, ffn=5632, layers=16, heads=16, kv_heads=8, vocab=rl.REALISTIC["vocab"],
+                               prompts=8, samples=8, prompt_len=rl.REALISTIC["prompt_len"], prompt_min=40,
+                               new_tokens=new_tokens, mean_len=128, micro_batch=8, beta=0.04,
+                               old_logprobs="recompute", max_pos=rl.REALISTIC["prompt_len"] + new_tokens,
                                workload="realistic", packing="on", precision="bf16")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, command: "
           f"python bench/bench_gpu_ops.py --rl-step --workload realistic --steps {args.steps}"

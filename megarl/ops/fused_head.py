@@ -77,12 +77,13 @@ def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab
         step = step // _ALIGN * _ALIGN
     # Ignored tokens (padding of a padded micro-batch, prompt columns) never reach the output
     # layer: the GEMMs run over the rows that count only. Every TP rank holds the same targets,
-    # so every rank keeps the same rows. (One host read of the count: a sync on a GPU.)
+    # so every rank keeps the same rows. (nonzero's size is read on the host: a sync on a GPU.)
     valid = t != ignore_index
-    kept_rows = None
-    if int(valid.sum()) < t.numel():
-        kept_rows = valid.nonzero().squeeze(1)                                  # [N']
+    kept_rows = valid.nonzero().squeeze(1)                                      # [N']
+    if kept_rows.numel() < t.numel():
         x, t = x.index_select(0, kept_rows), t.index_select(0, kept_rows)       # differentiable in x
+    else:
+        kept_rows = None
     lp, ent = _FusedLinearLogProbs.apply(
         x, weight, t, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
         1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad),
