@@ -12,6 +12,10 @@ interleaved (impl A, B, C, A, B, C, ...) so that load from others on the machine
   onednn-fp32  torch.ops.mkldnn._linear_pointwise (oneDNN's fp32 inner product), forward only:
                oneDNN exposes no plain matmul for the two backward layouts through torch
   mm-bf16      bf16 matmul (oneDNN with AVX-512 BF16 / AMX where the CPU has them)
+  bf16-via-fp32  bf16 operands through fp32 sgemm, the result rounded to bf16 once, as megarl's
+               train.cpu_half_gemm=fp32 runs them (models/cpu_gemm.py): activations converted per
+               call, the weight (forward and dgrad) once per block, so outside the timing
+Compare mm-bf16 with bf16-via-fp32 to choose train.cpu_half_gemm for a CPU.
 Each is checked against a float64 product (max relative error over the output's scale).
 Reported per shape: best and median GFLOP/s; then the floor of one step: the step's GEMM FLOPs
 (generation over every decode step, reference + actor scoring forward, training forward +
@@ -32,6 +36,7 @@ def impls():
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         out["onednn-fp32"] = (torch.float32, lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
     out["mm-bf16"] = (torch.bfloat16, lambda x, w: F.linear(x, w))
+    out["bf16-via-fp32"] = (torch.bfloat16, lambda x, w: F.linear(x.float(), w.float()).to(torch.bfloat16))
     return out
 
 
@@ -106,6 +111,8 @@ def main():
                 if lib == "onednn-fp32" and kind in ("dgrad", "wgrad"):
                     continue  # oneDNN inner product takes the same layouts; timed as its forward
                 x, w = x32.to(dtype), w32.to(dtype)
+                if lib == "bf16-via-fp32" and kind != "wgrad":
+                    w = w.float()  # a weight: converted once per block by megarl, not per GEMM
                 errs[lib] = ((fn(x, w).double() - ref).abs().max().item() / scale, x, w)
             for _ in range(a.reps):
                 for lib, (err, x, w) in errs.items():

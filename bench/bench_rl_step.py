@@ -5,7 +5,8 @@
                                   [--prompts 8] [--samples 8] [--prompt-len 32] [--new-tokens 128]
                                   [--micro-batch 8] [--beta 0.04] [--old-logprobs rollout|recompute]
                                   [--no-trl] [--profile] [--workload default|realistic]
-                                  [--precision fp32|bf16] [--packing on|off] [--mean-len 200]
+                                  [--precision fp32|bf16] [--cpu-half-gemm native|fp32]
+                                  [--packing on|off] [--mean-len 200]
 
 One random Llama is built with transformers (default init, seeded) and saved with a 32k-word
 WordLevel tokenizer (ids are words "w<id>"; its chat template renders the bare prompt, so both
@@ -27,7 +28,8 @@ EOS row of the LM head reads it, giving EOS a logit of about log(V / --mean-len)
 Both: `prompts` x `samples` rows, `new-tokens` sampled tokens at temperature 1, one PPO epoch, one
 optimizer step over micro-batches of `micro-batch` rows, KL-to-reference loss term (k3) with
 coefficient `beta`, fp32 (or --precision bf16: megarl `train.precision=bf16`, bf16 weights with fp32
-main weights and gradient buffers in the optimizer; TRL loads the model in bf16 with `bf16=True`),
+main weights and gradient buffers in the optimizer, its bf16 GEMMs run as `--cpu-half-gemm` says;
+TRL loads the model in bf16 with `bf16=True`),
 the same rule reward (fraction of response words whose id ends in 7).
 No evaluation, logging or checkpointing happens inside a step (megarl: `step()` only; TRL:
 logging/save/eval strategies "no", report_to none). One warm-up step each, then `steps` timed
@@ -154,7 +156,8 @@ def build_megarl(args, model_dir: str, prompts_file: str, work: str):
         "rl.loss_agg=token-mean", f"rl.reward_fn={os.path.abspath(__file__)}:reward",
         f"rl.old_logprobs={args.old_logprobs}", f"rl.packing={str(args.packing == 'on').lower()}",
         "optim.lr=1e-6", "optim.weight_decay=0.0", "optim.clip_grad=1.0", "lr_schedule.style=constant",
-        f"train.precision={args.precision}", "train.seed=1", f"train.run_dir={work}", "tracking.backend=none",
+        f"train.precision={args.precision}", f"train.cpu_half_gemm={getattr(args, 'cpu_half_gemm', 'native')}",
+        "train.seed=1", f"train.run_dir={work}", "tracking.backend=none",
         "checkpoint.save_interval=0"]
     cfg = load_config(os.path.join(ROOT, "megarl", "configs", "tiny_grpo.yaml"), overrides)
     init_distributed(1, 1, seed=cfg.train.seed)
@@ -445,7 +448,8 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s
     ending = f" (up to; EOS, mean target {args.mean_len})" if args.workload == "realistic" else ""
     print(f"\n## RL step ({args.workload} workload): GRPO, {args.prompts} prompts x {args.samples} samples, "
           f"prompt {prompt} + {args.new_tokens}{ending} new tokens, Llama hidden {args.hidden}, ffn {args.ffn}, {args.layers} layers, "
-          f"{args.heads} heads ({args.kv_heads} KV), vocab {args.vocab}, {args.precision}, 1 PPO epoch, 1 optimizer step "
+          f"{args.heads} heads ({args.kv_heads} KV), vocab {args.vocab}, {args.precision}"
+          f"{f' (megarl train.cpu_half_gemm={args.cpu_half_gemm})' if args.precision != 'fp32' else ''}, 1 PPO epoch, 1 optimizer step "
           f"of {rows // args.micro_batch} micro-batches x {args.micro_batch}, beta {args.beta}, "
           f"{args.threads} thread(s), 1 warm-up + {args.steps} timed steps each, interleaved; megarl "
           f"rl.packing={args.packing == 'on'}\n")
@@ -536,6 +540,9 @@ def main() -> None:
                          "default: on for the realistic workload (ragged rows), off for the default one")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="both frameworks' training precision (bf16: the same on both sides)")
+    ap.add_argument("--cpu-half-gemm", choices=("native", "fp32"), default="native",
+                    help="megarl's train.cpu_half_gemm: how its bf16 GEMMs run on this CPU (native: torch's bf16 "
+                         "kernels, as TRL runs them; fp32: through fp32 sgemm, rounded once)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)

@@ -176,6 +176,12 @@ class TrainConfig:
     steps: int = 50
     seed: int = 1234
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # bf16/fp16 GEMMs on a CPU device: "native" runs torch's half kernels; "fp32" upcasts the
+    # operands, runs fp32 sgemm and rounds the result once (the half kernel's arithmetic up to
+    # summation order): faster on CPUs whose half kernels are slower than fp32 (an Intel Xeon
+    # without AMX: 1.4x a bf16 RL step), slower on others (AMD Zen 4); bench/bench_gemm_floor.py
+    # tells which. No effect on a GPU or on fp32 weights (megarl.models.cpu_gemm).
+    cpu_half_gemm: Literal["native", "fp32"] = "native"
     fp8: FP8Config = field(default_factory=FP8Config)  # FP8 GEMMs (Hopper+): train.fp8.format=e4m3
     log_interval: int = 5
     eval_interval: int = 25  # 0 disables evaluation

@@ -115,6 +115,29 @@ def _chunk_logits(xc, weight, first_pad):
     return z
 
 
+def fp32_gemm_mode():
+    """The innermost active dispatch mode that runs this CPU's half GEMMs in fp32
+    (`megarl.models.cpu_gemm.HalfGemmsInFp32`, known by its `fp32_operand` method: ops imports
+    nothing of megarl), else None."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if callable(getattr(mode, "fp32_operand", None)):
+            return mode
+    return None
+
+
+def _gemm_operands(x, w):
+    """(x, w) as the chunk GEMMs read them. Where half GEMMs on this CPU run through fp32 (see
+    `fp32_gemm_mode`), their fp32 copies: the logits are then computed and kept in fp32, instead
+    of being rounded to half by the GEMM and read back into fp32 by the statistics (on a CPU each
+    conversion of a [T, V] chunk costs about as much as a pass of the softmax). Otherwise x and w."""
+    mode = fp32_gemm_mode() if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" else None
+    if mode is None:
+        return x, w
+    return mode.fp32_operand(x), mode.fp32_operand(w)
+
+
 def _chunk_stats(z, t, vocab_start, padded, ignore_index, inv_temp, with_entropy):
     """(m, s, w, zt) [c] of one chunk's logits: the CUDA kernel when it serves z (one pass for
     all four), else torch (w only with_entropy: NaN otherwise)."""
@@ -146,9 +169,10 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         # of recomputing them (the same peak, one chunk; one [N, h] x [h, n] GEMM fewer).
         keep = keep_one and N <= step
         z = None
+        xg, wg = _gemm_operands(x, w)
         for r0 in range(0, N, step):
             r1 = min(N, r0 + step)
-            z = _chunk_logits(x[r0:r1], w, first_pad)                          # [c, n]
+            z = _chunk_logits(xg[r0:r1], wg, first_pad)                        # [c, n]
             stats = _chunk_stats(z, t[r0:r1], vocab_start, padded, ignore_index, inv_temp, with_entropy)
             for dst, src in zip((m, s, mom, zt), stats):
                 dst[r0:r1] = src
@@ -187,10 +211,11 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             cols = n  # every logit fits in one chunk: use the forward's
         gx = None  # [N, h], fp32 while accumulating
         gw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_w else None  # [n, h]
+        xg, wg = _gemm_operands(x, w)  # fp32 copies where half GEMMs run in fp32 on this CPU
         for c0 in range(0, n, cols):
             c1 = min(n, c0 + cols)
-            wc = w[c0:c1]                                                      # [vc, h]
-            z = kept if kept is not None else _chunk_logits(x, wc, max(first_pad - c0, 0))
+            wc = wg[c0:c1]                                                     # [vc, h]
+            z = kept if kept is not None else _chunk_logits(xg, wc, max(first_pad - c0, 0))
             kept = None
             dz = _chunk_grad(z, t, lse, ent, g_lp, g_ent, vocab_start + c0, inv_temp, ignore_index)  # [N, vc]
             del z
@@ -201,8 +226,10 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                     gx.addmm_(dz, wc)
                 else:
                     gx.add_(torch.mm(dz, wc))
-            if need_w:
-                torch.mm(dz.t(), x, out=gw[c0:c1])                             # [vc, h]
+            if need_w and gw.dtype == dz.dtype:
+                torch.mm(dz.t(), xg, out=gw[c0:c1])                            # [vc, h]
+            elif need_w:  # fp32 logits of half weights: one rounding of the slice
+                gw[c0:c1] = torch.mm(dz.t(), xg)
             del dz
         if need_x:
             if gx is None:  # no tokens or no columns

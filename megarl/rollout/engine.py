@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megarl.models import decode_layout
+from megarl.models import cpu_gemm, decode_layout
 from megarl.models.layout import unwrap
 from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens
 from megarl.rollout.tools import ERROR, TIMEOUT, Toolbox
@@ -102,7 +102,7 @@ class MegatronRolloutEngine(RolloutEngine):
     def __init__(self, role, *, vocab_size: int, pad_id: int, decode: Callable[[list[int]], str] | None = None,
                  max_batch_size: int = 64, max_seq_len: int | None = None, pp_microbatches: int | None = None,
                  compact: bool = True, tools: Toolbox | None = None, encode: Callable[[str], list[int]] | None = None,
-                 in_major_weights: bool = True):
+                 in_major_weights: bool = True, cpu_half_gemm: str | None = None):
         """role: a megarl Role (or its model, possibly DDP / Float16Module wrapped) with an LM head.
         vocab_size: the true vocabulary (padded columns are never sampled).
         max_batch_size: rows per KV cache (micro-batch); the cache is freed after each.
@@ -115,7 +115,9 @@ class MegatronRolloutEngine(RolloutEngine):
         tools: a Toolbox (tools + max calls per sample); needs decode and encode (observation text -> ids).
         in_major_weights: on CPU, fp32 linears read their weights from [in, out] memory during the
             call (models/decode_layout.py: 1.1-2x faster decode GEMMs; one more copy of those
-            weights while generating). No effect on GPU or for bf16 weights."""
+            weights while generating). No effect on GPU or for bf16 weights.
+        cpu_half_gemm: how bf16/fp16 GEMMs run on CPU (train.cpu_half_gemm, models/cpu_gemm.py);
+            default: the role's setting, else "native" (torch's half kernels)."""
         self.chunks = _model_chunks(role)
         self.model = self.chunks[0]
         self.gpt = unwrap(self.model)
@@ -133,6 +135,8 @@ class MegatronRolloutEngine(RolloutEngine):
         self.tools = tools if tools is not None and tools.tools else None
         self.encode = encode
         self.in_major_weights = bool(in_major_weights)
+        self.half_gemms_fp32 = cpu_gemm.fp32_for_half(
+            cpu_half_gemm or getattr(role, "cpu_half_gemm", "native"), self.device)
         if self.tools is not None and (decode is None or encode is None):
             raise ValueError("MegatronRolloutEngine(tools=...) needs decode and encode functions (the tokenizer's)")
 
@@ -158,7 +162,8 @@ class MegatronRolloutEngine(RolloutEngine):
         if self.tools is not None:
             stats["tool_s"] = 0.0
         with (_inference_mode(self.chunks, self.gpt),
-              decode_layout.in_major_weights(self.chunks, self.in_major_weights)):
+              decode_layout.in_major_weights(self.chunks, self.in_major_weights),
+              cpu_gemm.half_gemms_in_fp32(self.chunks, self.half_gemms_fp32)):
             for b0 in range(0, N, self.max_batch_size):
                 batch = order[b0: b0 + self.max_batch_size]
                 out = self._generate_batch([rows[r] for r in batch],

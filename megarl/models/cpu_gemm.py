@@ -1,0 +1,131 @@
+"""bf16/fp16 GEMMs on a CPU, optionally through fp32 sgemm, rounded once (train.cpu_half_gemm).
+
+A half-precision GEMM on a CPU multiplies half inputs, accumulates in fp32 and rounds the result
+to half once. The product of two bf16 (or fp16) numbers is exact in fp32 (8 + 8 or 11 + 11
+significand bits < 24), so upcasting both operands, running the fp32 GEMM and rounding its result
+to half computes the same thing: the results differ only where the two kernels sum in a different
+order. Which of the two is faster is a property of the CPU, not of its flags: on an Intel Xeon
+with AVX-512 BF16 but no AMX, torch's half GEMMs (oneDNN) ran at 0.55x of fp32 sgemm; on an AMD
+EPYC (Zen 4, also AVX-512 BF16) at 2-2.5x (docs/benchmarks.md; `bench/bench_gemm_floor.py`
+measures a machine). So torch's half kernels stay the default ("native") and "fp32" is the
+setting for CPUs where the benchmark shows them slower.
+
+`half_gemms_in_fp32(chunks, enabled)` is a dispatch mode for a forward (and the backward run
+inside it): every `mm` / `addmm` / `bmm` whose tensor operands are all bf16 or all fp16 CPU
+tensors runs in fp32 and returns half. Operands that are views of the chunks' parameters (the
+weights) are converted once per block and kept in [rows, cols] contiguous memory as the GEMM
+reads them (at decode-step sizes that is also the faster layout for MKL; see
+models/decode_layout.py); everything else (the activations) is converted per call. The cost is
+one fp32 copy of each weight layout used while the block runs.
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HALF = (torch.bfloat16, torch.float16)
+SETTINGS = ("native", "fp32")  # train.cpu_half_gemm
+
+
+def fp32_for_half(setting: str, device: torch.device) -> bool:
+    """Whether half GEMMs on `device` run through fp32 under `setting` (train.cpu_half_gemm):
+    only on a CPU, and only when asked ("fp32")."""
+    if setting not in SETTINGS:
+        raise ValueError(f"train.cpu_half_gemm must be one of {', '.join(SETTINGS)}, got {setting!r}")
+    return setting == "fp32" and torch.device(device).type == "cpu"
+
+
+class HalfGemmsInFp32(TorchDispatchMode):
+    """See the module docstring. params: the tensors whose fp32 copies may be kept for the block."""
+
+    def __init__(self, params=()):
+        super().__init__()
+        spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size())
+                       for p in params if p.dtype in HALF and p.device.type == "cpu" and p.numel())
+        self._starts = [s for s, _ in spans]
+        self._ends = [e for _, e in spans]
+        self._fp32: dict = {}  # (data_ptr, shape, strides, version) -> fp32 contiguous copy
+        self.gemms = self.attentions = 0  # calls run in fp32 (tests read them)
+
+    def _is_param_view(self, t: torch.Tensor) -> bool:
+        i = bisect.bisect_right(self._starts, t.data_ptr()) - 1
+        return i >= 0 and t.data_ptr() < self._ends[i]
+
+    def fp32_operand(self, t: torch.Tensor) -> torch.Tensor:
+        """t in fp32: a weight's copy is made once per block, anything else's per call."""
+        if not self._is_param_view(t):
+            return t.float()
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t._version)
+        up = self._fp32.get(key)
+        if up is None:
+            up = self._fp32[key] = t.float().contiguous()
+        return up
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            out = handler(self, func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        return func(*args, **kwargs)
+
+
+def _half_dtype(tensors):
+    """The half dtype all of `tensors` share on the CPU, else None."""
+    dtype = tensors[0].dtype
+    ok = dtype in HALF and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
+    return dtype if ok else None
+
+
+def _gemm(mode, func, args, kwargs):
+    """mm, mm.out, addmm, bmm with every tensor operand in one half dtype: fp32, rounded once."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    dtype = _half_dtype(tensors)
+    if dtype is None:
+        return NotImplemented
+    mode.gemms += 1
+    if func is torch.ops.aten.mm.default:
+        return torch.mm(mode.fp32_operand(args[0]), mode.fp32_operand(args[1])).to(dtype)
+    if func is torch.ops.aten.mm.out:
+        return kwargs["out"].copy_(torch.mm(mode.fp32_operand(args[0]), mode.fp32_operand(args[1])))
+    if func is torch.ops.aten.addmm.default:
+        return torch.addmm(args[0].float(), mode.fp32_operand(args[1]), mode.fp32_operand(args[2]), **kwargs).to(dtype)
+    return torch.bmm(args[0].float(), args[1].float()).to(dtype)
+
+
+def _attention(mode, func, args, kwargs):
+    """CPU flash attention forward / backward over more than one query (training, scoring,
+    prefill): its half kernels run their GEMMs in half (2.9x slower than fp32 in training's
+    forward + backward at [8, 8, 160, 64], docs/benchmarks.md). One decode query is memory-bound,
+    reading the KV cache, where half's smaller reads win: left native."""
+    q = args[1] if func is _SDPA_BWD else args[0]
+    if q.dim() < 2 or q.shape[-2] <= 1 or _half_dtype([q]) is None:
+        return NotImplemented
+    dtype = q.dtype
+    up = [a.float() if isinstance(a, torch.Tensor) and a.dtype == dtype else a for a in args]
+    kw = {k: v.float() if isinstance(v, torch.Tensor) and v.dtype == dtype else v for k, v in kwargs.items()}
+    mode.attentions += 1
+    if func is _SDPA_BWD:
+        return tuple(g.to(dtype) if g is not None else None for g in func(*up, **kw))
+    out, lse = func(*up, **kw)
+    return out.to(dtype), lse  # logsumexp is fp32 either way
+
+
+_SDPA_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_SDPA_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_HANDLERS = {torch.ops.aten.mm.default: _gemm, torch.ops.aten.mm.out: _gemm, torch.ops.aten.addmm.default: _gemm,
+             torch.ops.aten.bmm.default: _gemm, _SDPA_FWD: _attention, _SDPA_BWD: _attention}
+
+
+def half_gemms_in_fp32(chunks, enabled: bool):
+    """The mode over `chunks`' parameters when enabled and some are half on the CPU, else a no-op
+    context. For one forward (with its backward) or one generation: the kept fp32 copies are
+    dropped on exit, so weights may change between blocks."""
+    if not enabled:
+        return contextlib.nullcontext()
+    params = [p for c in chunks for p in c.parameters() if p.dtype in HALF and p.device.type == "cpu"]
+    return HalfGemmsInFp32(params) if params else contextlib.nullcontext()

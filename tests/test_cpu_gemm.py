@@ -1,0 +1,202 @@
+"""bf16/fp16 GEMMs on CPU through fp32 sgemm (models/cpu_gemm.py): the same arithmetic as the half
+kernels (exact products, fp32 sums, one rounding) checked against float64; weights converted
+once per block and never stale; fp32 work untouched; attention routed only where it pays; the
+fused output layer's fp32 logits; and a bf16 Role and rollout engine running under the mode."""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_helpers import run_distributed
+from megarl.models.cpu_gemm import HalfGemmsInFp32, fp32_for_half
+from megarl.ops.fused_head import fp32_gemm_mode
+
+HALF = [torch.bfloat16, torch.float16]
+UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}  # half an ulp, relative
+
+
+def _close_to_rounded(out, ref, dtype, k):
+    """|out - ref| within one rounding to `dtype` plus fp32 summation error over k terms."""
+    bound = ref.abs() * UNIT[dtype] * 1.01 + k * 2.0 ** -23 * ref.abs().max()
+    return bool(((out.double() - ref).abs() <= bound).all())
+
+
+def test_settings():
+    assert fp32_for_half("fp32", torch.device("cpu")) is True
+    assert fp32_for_half("native", "cpu") is False
+    assert fp32_for_half("fp32", "cuda") is False  # never off the CPU
+    with pytest.raises(ValueError, match="train.cpu_half_gemm must be one of native, fp32, got 'fast'"):
+        fp32_for_half("fast", "cpu")
+
+
+def test_config_key():
+    from megarl.config import ConfigError, load_config
+
+    base = str(Path(__file__).resolve().parents[1] / "megarl" / "configs" / "tiny_grpo.yaml")
+    assert load_config(base).train.cpu_half_gemm == "native"
+    assert load_config(base, ["train.cpu_half_gemm=fp32"]).train.cpu_half_gemm == "fp32"
+    with pytest.raises(ConfigError, match="'train.cpu_half_gemm' must be one of 'native', 'fp32'"):
+        load_config(base, ["train.cpu_half_gemm=fast"])
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_gemms_round_once_like_the_half_kernels(dtype):
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randn(37, 300, generator=g).to(dtype), torch.randn(300, 53, generator=g).to(dtype)
+    bias = torch.randn(53, generator=g).to(dtype)
+    a3, b3 = torch.randn(3, 37, 300, generator=g).to(dtype), torch.randn(3, 300, 53, generator=g).to(dtype)
+    w = torch.randn(53, 300, generator=g).to(dtype)
+    out = torch.empty(37, 53, dtype=dtype)
+    with HalfGemmsInFp32() as mode:
+        got = {"mm": a @ b, "addmm": torch.addmm(bias, a, b), "bmm": torch.bmm(a3, b3),
+               "mm.out": torch.mm(a, b, out=out), "linear 3d": F.linear(a3, w)}
+    assert mode.gemms == 5
+    ref = {"mm": a.double() @ b.double(), "addmm": bias.double() + a.double() @ b.double(),
+           "bmm": a3.double() @ b3.double(), "mm.out": a.double() @ b.double(), "linear 3d": a3.double() @ w.double().t()}
+    for name, r in ref.items():
+        assert got[name].dtype == dtype, name
+        assert _close_to_rounded(got[name], r, dtype, 300), name
+    assert got["mm.out"] is out
+    # the half kernels' own results differ from these by summation order only
+    assert ((got["mm"].double() - (a @ b).double()).abs() <= (ref["mm"].abs() * 4 * UNIT[dtype] + 1e-3)).all()
+
+
+def test_fp32_and_mixed_operands_pass_through():
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(8, 16, generator=g), torch.randn(16, 4, generator=g)
+    with HalfGemmsInFp32() as mode:
+        c = a @ b
+        d = torch.bmm(a[None], b[None])
+    assert mode.gemms == 0 and torch.equal(c, torch.mm(a, b)) and torch.equal(d[0], c)
+
+
+def test_weights_are_converted_once_per_block_and_never_stale():
+    g = torch.Generator().manual_seed(5)
+    lin = torch.nn.Linear(24, 40, bias=False).bfloat16()
+    x = torch.randn(6, 24, generator=g).bfloat16().requires_grad_()
+    with HalfGemmsInFp32(list(lin.parameters())) as mode:
+        for _ in range(3):
+            lin(x).float().square().sum().backward()
+        kept = len(mode._fp32)  # the weight as forward reads it (W^T) and as the input grad reads it (W)
+        with torch.no_grad():
+            lin.weight.add_(1.0)  # a new version: converted again, not read from the old copy
+        y = lin(x)
+    assert mode.gemms == 3 * 3 + 1
+    assert kept == 2
+    ref = x.detach().double() @ lin.weight.detach().double().t()
+    assert _close_to_rounded(y, ref, torch.bfloat16, 24)
+
+
+def test_attention_runs_in_fp32_for_many_queries_only():
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 4, 33, 16, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    with HalfGemmsInFp32() as mode:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.float().square().sum().backward()
+        decode = F.scaled_dot_product_attention(q[:, :, -1:].detach(), k.detach(), v.detach())
+    assert mode.attentions == 2  # forward and backward; the one-query (decode) call stays native
+    assert out.dtype == q.grad.dtype == decode.dtype == torch.bfloat16
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+    ref.square().sum().backward()
+    assert (out.double() - ref).abs().max() < 0.02
+    for got, want in zip((q.grad, k.grad, v.grad), (qd.grad, kd.grad, vd.grad)):
+        assert (got.double() - want).abs().max() < 0.02 * want.abs().max()
+
+
+@pytest.mark.parametrize("chunk_size", [None, 64])  # one kept chunk; several, recomputed in the backward
+def test_fused_head_keeps_fp32_logits_under_the_mode(chunk_size):
+    from megarl.ops.fused_head import linear_logprobs_and_entropy
+
+    g = torch.Generator().manual_seed(13)
+    N, h, V = 300, 64, 1000
+    x = torch.randn(N, h, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(V, h, generator=g) * 0.3).bfloat16().requires_grad_()
+    t = torch.randint(0, V, (N,), generator=g)
+    t[torch.randperm(N, generator=g)[:20]] = -100
+    assert fp32_gemm_mode() is None
+    with HalfGemmsInFp32([w]) as mode:
+        assert fp32_gemm_mode() is mode
+        lp, ent = linear_logprobs_and_entropy(x, w, t, chunk_size=chunk_size)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+    assert fp32_gemm_mode() is None
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    logp = (xd @ wd.t()).log_softmax(-1)
+    ignored = t < 0
+    lp_ref = logp.gather(1, t.clamp(min=0)[:, None]).squeeze(1).masked_fill(ignored, 0)
+    ent_ref = -(logp.exp() * logp).sum(-1).masked_fill(ignored, 0)
+    (lp_ref.sum() + 0.1 * ent_ref.sum()).backward()
+    # fp32 logits of the bf16 operands: log-probs as exact as fp32 (bf16 logits would be ~1e-2 off)
+    assert (lp.double() - lp_ref).abs().max() < 1e-5
+    assert (ent.double() - ent_ref).abs().max() < 1e-5
+    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+    assert (x.grad.double() - xd.grad).abs().max() <= 2 * UNIT[torch.bfloat16] * xd.grad.abs().max()
+    assert (w.grad.double() - wd.grad).abs().max() <= 2 * UNIT[torch.bfloat16] * wd.grad.abs().max()
+    assert lp[ignored].eq(0).all() and x.grad[ignored].eq(0).all()
+
+
+VOCAB, SEQ, GBS = 96, 12, 4
+
+
+def _body(rank, world_size):
+    from megarl.algorithms.losses import masked_nll
+    from megarl.config import ModelConfig, OptimConfig, ParallelConfig
+    from megarl.roles import role as role_module
+    from megarl.roles.role import Role
+    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+    from megarl.runtime.distributed import init_distributed, teardown
+    from megarl.trainers.common import dp_microbatches, token_logprobs
+
+    init_distributed(1, 1, seed=3)
+    modes = []
+    plain = role_module.half_gemms_in_fp32
+
+    def recording(chunks, enabled):
+        ctx = plain(chunks, enabled)
+        modes.append(ctx)
+        return ctx
+
+    role_module.half_gemms_in_fp32 = recording
+    mc = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_kv_heads=2,
+                     vocab_size=VOCAB, max_position_embeddings=32, init_std=0.1)
+    g = torch.Generator().manual_seed(21)
+    seq = torch.randint(0, VOCAB, (GBS, SEQ + 1), generator=g)
+    batch = {"tokens": seq[:, :-1], "labels": seq[:, 1:], "position_ids": torch.arange(SEQ).expand(GBS, SEQ),
+             "loss_mask": torch.ones(GBS, SEQ)}
+
+    def loss(b, logits):
+        return masked_nll(token_logprobs(logits, b["labels"], VOCAB), b["loss_mask"])
+
+    out, prompts = {}, [seq[i, :5].tolist() for i in range(3)]
+    for setting in ("fp32", "native"):
+        role = Role("actor", mc, ParallelConfig(), head="lm", precision="bf16", seed=5, optim=OptimConfig(lr=1e-2),
+                    cpu_half_gemm=setting)
+        steps = [role.train_step(dp_microbatches(batch, 2), loss) for _ in range(2)]
+        engine = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=0)
+        rollout = engine.generate(prompts, SamplingParams(greedy=True, max_new_tokens=6), seed=0)
+        out[setting] = dict(flag=role.half_gemms_fp32, engine_flag=engine.half_gemms_fp32,
+                            losses=[s.metrics["loss"] for s in steps], norms=[s.grad_norm for s in steps],
+                            responses=rollout.responses(), logprobs=rollout.logprobs)
+    out["fp32_gemms"] = [getattr(m, "gemms", None) for m in modes]
+    teardown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def roles():
+    return run_distributed(_body, 1)[0]
+
+
+def test_a_bf16_role_and_its_rollout_run_their_gemms_in_fp32(roles):
+    fast, native = roles["fp32"], roles["native"]
+    assert fast["flag"] and fast["engine_flag"] and not native["flag"] and not native["engine_flag"]
+    # the two training steps of the fp32 role ran their GEMMs (backward included) in the mode
+    gemms = roles["fp32_gemms"]
+    assert len(gemms) == 4 and gemms[:2] == [2 * (2 * 4 + 1) * 3] * 2 and gemms[2:] == [None, None]
+    for a, b in zip(fast["losses"] + fast["norms"], native["losses"] + native["norms"]):
+        assert abs(a - b) <= 0.02 * abs(b)
+    same = [i for i, (a, b) in enumerate(zip(fast["responses"], native["responses"])) if a == b]
+    assert same, "greedy decoding diverged on every row"
+    for i in same:
+        assert (fast["logprobs"][i] - native["logprobs"][i]).abs().max() < 0.05
