@@ -1,15 +1,19 @@
-"""CPU benchmark: one RL step's rollout with the linears' weights read in [in, out] memory
-(megarl's default on CPU, models/decode_layout.py) against megatron-core's stored [out, in].
+"""CPU benchmark: one RL step's rollout with the linears' weights read in [in, out] memory and
+their GEMMs run by oneDNN (megarl's default on CPU, models/decode_layout.py and cpu_gemm.py),
+against the same memory with MKL's sgemm (torch.matmul) and against megatron-core's stored
+[out, in] with MKL; with --score, also the step's reference scoring with the forward-only
+linears through oneDNN (megarl's default) and through MKL.
 
-    python bench/bench_decode_layout.py [--workload realistic|default] [--reps 3] [--threads 1]
+    python bench/bench_decode_layout.py [--workload realistic|default] [--reps 3] [--threads 1] [--score]
 
 The model, prompts and sampling are bench_rl_step.py's (realistic: 2 prompts of 40..200 tokens x
 8 samples, EOS-ended responses up to 1,024 tokens with mean ~200, vocabulary 151,936, hidden 256,
 4 layers; default: 8 x 8 rows, 32 + 128 tokens, hidden 512, 8 layers, vocabulary 32,000). The
-same prompts and seed are generated with the two layouts interleaved, after a warm-up of each;
+same prompts and seed are generated with the variants interleaved, after a warm-up of each;
 the table gives best and median wall and CPU seconds (user + sys of the process) per rollout,
-the decode steps' share, and whether the two layouts drew the same samples (they differ only by
-fp32 rounding in the GEMMs, so a draw can flip where two ids' cumulative masses meet).
+the decode steps' share, and how many rows drew the same samples as megarl's default (the
+variants differ only by fp32 rounding in the GEMMs, so a draw can flip where two ids'
+cumulative masses meet, and the rest of that row differs from there on).
 """
 import argparse
 import os
@@ -31,6 +35,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="a small model and short responses: a smoke run")
+    ap.add_argument("--score", action="store_true", help="also time the reference scoring of one step's samples")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -55,13 +60,15 @@ def main():
         batch = next(stage.prompts)
         params = stage._sampling(stage.cfg.rl.temperature, stage.cfg.rl.samples_per_prompt)
 
-        def rollout(in_major):
-            engine.in_major_weights = in_major
+        def rollout(flags):
+            engine.in_major_weights, engine.onednn_linears = flags
             t0, c0 = time.perf_counter(), time.process_time()
             r = engine.generate(batch["prompt_ids"], params, seed=1)
             return time.perf_counter() - t0, time.process_time() - c0, r
 
-        variants = {"[in, out] (megarl's CPU default)": True, "[out, in] (megatron-core's stored layout)": False}
+        variants = {"[in, out], oneDNN (megarl's CPU default)": (True, True),
+                    "[in, out], MKL": (True, False),
+                    "[out, in] (megatron-core's stored layout), MKL": (False, False)}
         out = {name: rollout(flag)[2] for name, flag in variants.items()}  # warm-up; the samples compared
         wall = {name: [] for name in variants}
         cpu = {name: [] for name in variants}
@@ -72,21 +79,58 @@ def main():
                 wall[name].append(w)
                 cpu[name].append(c)
                 decode[name].append(r.stats["decode_s"])
+        if args.score:
+            scoring = score_ab(stage, args.reps)
 
     lens = [r.response_lens.float() for r in out.values()]
     print(f"\n## Rollout, {args.workload} workload: {a.prompts} prompts x {a.samples} samples, vocabulary {a.vocab}, "
           f"hidden {a.hidden}, {a.layers} layers, fp32, {args.threads} thread(s), {args.reps} interleaved reps\n")
-    print("| weight memory | best s (wall) | median s (wall) | best CPU-s | median CPU-s | median decode s |")
+    print("| weight memory, GEMM library | best s (wall) | median s (wall) | best CPU-s | median CPU-s | median decode s |")
     print("|---|---|---|---|---|---|")
     for name in variants:
         print(f"| {name} | {min(wall[name]):.2f} | {statistics.median(wall[name]):.2f} | {min(cpu[name]):.2f} "
               f"| {statistics.median(cpu[name]):.2f} | {statistics.median(decode[name]):.2f} |")
     names = list(variants)
-    print(f"\n[in, out] / [out, in]: {min(cpu[names[0]]) / min(cpu[names[1]]):.2f}x best, "
-          f"{statistics.median(cpu[names[0]]) / statistics.median(cpu[names[1]]):.2f}x median (CPU-s)")
-    same = sum(x == y for x, y in zip(*(r.responses() for r in out.values())))
-    print(f"samples identical: {same}/{len(lens[0])} rows; mean response length {lens[0].mean():.1f} / "
-          f"{lens[1].mean():.1f} tokens; decode steps {max(r.stats['forwards'] for r in out.values()) - 1}")
+    print()
+    for name in names[1:]:
+        same = sum(x == y for x, y in zip(out[names[0]].responses(), out[name].responses()))
+        print(f"megarl's default / {name}: {min(cpu[names[0]]) / min(cpu[name]):.2f}x best, "
+              f"{statistics.median(cpu[names[0]]) / statistics.median(cpu[name]):.2f}x median (CPU-s); "
+              f"samples identical to the default's: {same}/{len(lens[0])} rows")
+    print("mean response length " + " / ".join(f"{x.mean():.1f}" for x in lens)
+          + f" tokens; decode steps {max(r.stats['forwards'] for r in out.values()) - 1}")
+    if args.score:
+        print(f"\n## Reference scoring of one step's samples ({args.reps} interleaved reps after a warm-up each)\n")
+        print("| forward-only linears | best CPU-s | median CPU-s | max abs difference of the log-probs |")
+        print("|---|---|---|---|")
+        for name, (cpu_s, diff) in scoring.items():
+            print(f"| {name} | {min(cpu_s):.2f} | {statistics.median(cpu_s):.2f} | {diff:.1e} |")
+
+
+def score_ab(stage, reps):
+    """The reference role's scoring of one step's samples (RLStage.score, its phases as a step
+    runs them), with the reference's forward-only linears through oneDNN and through MKL,
+    interleaved. Returns {variant: (CPU-s per rep, max |log-prob difference| to oneDNN's)}."""
+    from megarl.roles.phases import PhaseClock
+
+    exp, _ = stage.generate(0, PhaseClock(stage.phases))
+    reference = stage.all_roles["reference"]
+    variants = {"oneDNN (megarl's CPU default)": True, "MKL": False}
+
+    def score(flag):
+        reference.onednn_linears = flag
+        c0 = time.process_time()
+        stage.score(exp, PhaseClock(stage.phases))
+        return time.process_time() - c0, exp.ref_logp.clone()
+
+    ref = {name: score(flag)[1] for name, flag in variants.items()}  # warm-up
+    cpu = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, flag in variants.items():
+            cpu[name].append(score(flag)[0])
+    reference.onednn_linears = True
+    first = next(iter(ref.values()))
+    return {name: (cpu[name], float((ref[name] - first).abs().max())) for name in variants}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""bf16/fp16 GEMMs on CPU through fp32 sgemm (models/cpu_gemm.py): the same arithmetic as the half
-kernels (exact products, fp32 sums, one rounding) checked against float64; weights converted
+"""GEMMs on a CPU (models/cpu_gemm.py). bf16/fp16 through fp32 sgemm: the same arithmetic as the
+half kernels (exact products, fp32 sums, one rounding) checked against float64; weights converted
 once per block and never stale; fp32 work untouched; attention routed only where it pays; the
-fused output layer's fp32 logits; and a bf16 Role and rollout engine running under the mode."""
+fused output layer's fp32 logits; and a bf16 Role and rollout engine running under the mode.
+fp32 no-grad linears through oneDNN: equal to a float64 product in either weight memory order,
+megatron's own path everywhere else, and an fp32 Role scoring through it but training without."""
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_helpers import run_distributed
-from megarl.models.cpu_gemm import HalfGemmsInFp32, fp32_for_half
+from megarl.models.cpu_gemm import HalfGemmsInFp32, _onednn_forward_impl, fp32_for_half, onednn_available
 from megarl.ops.fused_head import fp32_gemm_mode
 
 HALF = [torch.bfloat16, torch.float16]
@@ -179,6 +181,25 @@ def _body(rank, world_size):
                             losses=[s.metrics["loss"] for s in steps], norms=[s.grad_norm for s in steps],
                             responses=rollout.responses(), logprobs=rollout.logprobs)
     out["fp32_gemms"] = [getattr(m, "gemms", None) for m in modes]
+
+    # fp32: scoring (forward only) through oneDNN, equal to megatron's path; training never
+    role = Role("actor", mc, ParallelConfig(), head="lm", seed=5, optim=OptimConfig(lr=1e-2))
+
+    def onednn_calls(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            result = fn()
+        return result, sum(ev.count for ev in prof.key_averages() if ev.key == "mkldnn::_linear_pointwise")
+
+    scored = {}
+    for flag in (False, True):
+        role.onednn_linears = flag
+        scored[flag] = onednn_calls(lambda: role.forward_collect(
+            dp_microbatches(batch, 2), lambda b, o: token_logprobs(o, b["labels"], VOCAB)))
+    role.onednn_linears = True
+    _, train_calls = onednn_calls(lambda: role.train_step(dp_microbatches(batch, 2), loss))
+    out["scoring"] = dict(calls=[scored[f][1] for f in (False, True)], train_calls=train_calls,
+                          diff=max(float((a - b).abs().max()) for a, b in zip(scored[False][0], scored[True][0])),
+                          routed_after=sum("_forward_impl" in vars(m) for m in role.chunks[0].modules()))
     teardown()
     return out
 
@@ -200,3 +221,55 @@ def test_a_bf16_role_and_its_rollout_run_their_gemms_in_fp32(roles):
     assert same, "greedy decoding diverged on every row"
     for i in same:
         assert (fast["logprobs"][i] - native["logprobs"][i]).abs().max() < 0.05
+
+
+def test_an_fp32_role_scores_through_onednn_and_trains_without(roles):
+    r = roles["scoring"]
+    if onednn_available():
+        assert r["calls"] == [0, 2 * (2 * 4 + 1)]  # two micro-batches x (4 linears x 2 layers + the LM head)
+    assert r["train_calls"] == 0 and r["routed_after"] == 0
+    assert 0.0 <= r["diff"] < 1e-5, r["diff"]
+
+
+def _fake_megatron_impl(calls):
+    def impl(input, weight, bias=None, sequence_parallel=False, **kwargs):
+        calls.append(kwargs)
+        out = torch.matmul(input, weight.t())
+        return out + bias if bias is not None else out
+    return impl
+
+
+@pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("rows", [2, 5, 64])
+@pytest.mark.parametrize("in_major", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_linear_equals_a_float64_product(rows, in_major, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1, 48, generator=g)  # [s, b, in], as megatron's linears see it
+    w = torch.randn(80, 48, generator=g) / 7
+    if in_major:
+        w = w.t().contiguous().t()  # [out, in] shape, [in, out] memory: the decode layout
+    bias = torch.randn(80, generator=g) if with_bias else None
+    calls = []
+    with torch.no_grad():
+        y = _onednn_forward_impl(_fake_megatron_impl(calls))(
+            input=x, weight=w, bias=bias, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+            sequence_parallel=False, tp_group=None, grad_output_buffer=None)
+    ref = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
+    assert calls == [] and y.shape == (rows, 1, 80) and y.dtype == torch.float32
+    assert float((y.double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
+
+
+def test_onednn_linear_leaves_everything_else_to_megatron():
+    calls = []
+    impl = _onednn_forward_impl(_fake_megatron_impl(calls))
+    w = torch.randn(8, 4, requires_grad=True)
+    kw = dict(bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False, tp_group=None, grad_output_buffer=None)
+    impl(input=torch.randn(3, 1, 4), weight=w, sequence_parallel=False, **kw)  # autograd on: training
+    with torch.no_grad():
+        impl(input=torch.randn(1, 1, 4), weight=w, sequence_parallel=False, **kw)  # 1 row: MKL's gemv wins
+        impl(input=torch.randn(3, 1, 4), weight=w, sequence_parallel=True, **kw)  # input all-gathered by megatron
+        impl(input=torch.randn(3, 1, 4, dtype=torch.bfloat16), weight=w.detach().bfloat16(), sequence_parallel=False, **kw)
+    assert len(calls) == 4
+    assert all(set(c) == {"gradient_accumulation_fusion", "allreduce_dgrad", "tp_group", "grad_output_buffer"}
+               for c in calls)  # megatron's settings passed through untouched

@@ -1,6 +1,8 @@
-"""CPU generation reads each linear's weight from [in, out] memory (models/decode_layout.py):
-which weights switch, that they come back untouched (optimizer buffers included, exceptions
-included), and that generation is the same model either way (fp32 rounding only)."""
+"""CPU generation reads each linear's weight from [in, out] memory and runs its GEMMs of 2+ rows
+through oneDNN (models/decode_layout.py): which weights switch and which linears are routed, that
+they come back untouched (optimizer buffers included, exceptions included), that the routed GEMM
+equals a float64 product where it runs and megatron's path is taken everywhere else, and that
+generation is the same model either way (fp32 rounding only)."""
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ VOCAB, PAD = 100, 0
 
 def _body(rank, world_size):
     from megarl.config import ModelConfig, OptimConfig, ParallelConfig
-    from megarl.models import decode_layout
+    from megarl.models import cpu_gemm, decode_layout
     from megarl.models.layout import unwrap
     from megarl.roles.role import Role
     from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
@@ -48,17 +50,34 @@ def _body(rank, world_size):
             pass
         restored_after_error = restored()
 
-        plain = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, in_major_weights=False)
+        linears = [m for m in gpt.modules() if type(m).__name__ in ("ColumnParallelLinear", "RowParallelLinear")]
+        with cpu_gemm.onednn_linears(role.chunks) as routed:
+            routed_inside = all("_forward_impl" in vars(m) for m in linears)
+        try:
+            with cpu_gemm.onednn_linears(role.chunks):
+                raise KeyError("inside")
+        except KeyError:
+            pass
+        routed_after = sum("_forward_impl" in vars(m) for m in linears)
+
+        plain = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, in_major_weights=False, onednn_linears=False)
+        mkl = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=False)
         fast = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD)
         greedy = SamplingParams(greedy=True, max_new_tokens=10)
         sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=10)
-        runs = [(e.generate(prompts, greedy, seed=0), e.generate(prompts, sampled, seed=4)) for e in (plain, fast)]
-        out[tied] = dict(storages=len({w.untyped_storage().data_ptr() for w in weights}),
+        runs, onednn_calls = [], []
+        for e in (plain, mkl, fast):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                runs.append((e.generate(prompts, greedy, seed=0), e.generate(prompts, sampled, seed=4)))
+            onednn_calls.append(sum(ev.count for ev in prof.key_averages() if ev.key == "mkldnn::_linear_pointwise"))
+        out[tied] = dict(linears=len(linears), routed=routed, routed_inside=routed_inside, routed_after=routed_after,
+                         onednn_calls=onednn_calls,
+                         storages=len({w.untyped_storage().data_ptr() for w in weights}),
                          names=sorted(names[id(w)] for w in weights), switched=n, inside=inside,
                          restored=was_restored, restored_after_error=restored_after_error,
                          greedy=[r[0].responses() for r in runs], sampled=[r[1].responses() for r in runs],
                          logprob_diff=max(float((a.logprobs - b.logprobs).abs().max())
-                                          for a, b in zip(runs[0], runs[1])))
+                                          for other in runs[1:] for a, b in zip(runs[0], other)))
     bf16 = Role("b", ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=48, num_attention_heads=2,
                                  vocab_size=VOCAB, max_position_embeddings=16), ParallelConfig(), precision="bf16")
     out["bf16_switchable"] = len(decode_layout.switchable_weights(bf16.chunks))
@@ -85,12 +104,25 @@ def test_every_linear_switches_and_comes_back_untouched(result, tied):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_generation_is_the_same_model_in_either_layout(result, tied):
+def test_generation_is_the_same_model_in_either_layout_and_library(result, tied):
     r = result[tied]
-    assert r["greedy"][0] == r["greedy"][1]
-    assert r["sampled"][0] == r["sampled"][1]  # the same keyed draws over logits equal to fp32 rounding
+    assert r["greedy"][0] == r["greedy"][1] == r["greedy"][2]
+    assert r["sampled"][0] == r["sampled"][1] == r["sampled"][2]  # keyed draws over logits equal to fp32 rounding
     assert 0.0 <= r["logprob_diff"] < 1e-4, r["logprob_diff"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_linear_is_routed_to_onednn_and_comes_back(result, tied):
+    r = result[tied]
+    assert r["linears"] == 2 * 4 + 1  # qkv, proj, fc1, fc2 per layer and the LM head (tied: handed the embedding)
+    assert r["routed"] == r["linears"] and r["routed_inside"] and r["routed_after"] == 0
+    plain, mkl, fast = r["onednn_calls"]
+    assert plain == mkl == 0
+    # every linear of every forward with 2+ rows: at most the prefill and 9 decode steps of each of
+    # the 4-row greedy and 12-row sampled batches (rows left alone at the end go MKL's path)
+    assert r["linears"] * 10 <= fast <= r["linears"] * 20, r["onednn_calls"]
 
 
 def test_bf16_weights_stay_in_their_layout(result):
     assert result["bf16_switchable"] == 0
+

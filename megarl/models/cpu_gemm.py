@@ -1,4 +1,17 @@
-"""bf16/fp16 GEMMs on a CPU, optionally through fp32 sgemm, rounded once (train.cpu_half_gemm).
+"""GEMMs on a CPU: fp32 no-grad linears through oneDNN; bf16/fp16 GEMMs optionally through fp32
+sgemm, rounded once (train.cpu_half_gemm).
+
+fp32 linears without autograd (generation, scoring). MKL's sgemm (what `torch.matmul` runs) and
+oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`, in every x86 torch build)
+compute the same product up to summation order. At decode sizes oneDNN was 0.7-0.9x of MKL's
+time on an AMD EPYC (Zen 4) from 2 to 64 rows, reading the weight in either memory order (the
+32k-word LM head at 64 rows: 22 against 32 ms), and 2x slower at 1 row, where MKL's
+matrix-vector product wins; at scoring sizes (thousands of rows) 0.8-0.95x
+(docs/benchmarks.md, `bench/bench_decode_layout.py`, `bench/bench_gemm_floor.py`).
+`onednn_linears(chunks)` routes the local GEMM of every megatron-core linear through oneDNN for a
+block, where it has >= 2 rows, fp32 CPU operands, no autograd and no sequence-parallel gather;
+everything else takes megatron-core's own path. Training keeps megatron's autograd function
+(its backward, gradient accumulation fusion and main_grad).
 
 A half-precision GEMM on a CPU multiplies half inputs, accumulates in fp32 and rounds the result
 to half once. The product of two bf16 (or fp16) numbers is exact in fp32 (8 + 8 or 11 + 11
@@ -129,3 +142,54 @@ def half_gemms_in_fp32(chunks, enabled: bool):
         return contextlib.nullcontext()
     params = [p for c in chunks for p in c.parameters() if p.dtype in HALF and p.device.type == "cpu"]
     return HalfGemmsInFp32(params) if params else contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------- fp32 linears through oneDNN
+
+ONEDNN_MIN_ROWS = 2  # below this MKL's matrix-vector product is faster (module docstring)
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _onednn_forward_impl(megatron_impl):
+    """A linear's `_forward_impl` (megatron-core calls it with keywords: input, weight, bias,
+    sequence_parallel, and the backward's settings) that runs the local GEMM through oneDNN where
+    it pays, and megatron's own implementation everywhere else."""
+
+    def forward_impl(input, weight, bias=None, sequence_parallel=False, **kwargs):
+        rows = input.numel() // max(input.shape[-1], 1)
+        if (sequence_parallel or torch.is_grad_enabled() or rows < ONEDNN_MIN_ROWS
+                or input.device.type != "cpu" or input.dtype != torch.float32 or weight.dtype != torch.float32):
+            return megatron_impl(input=input, weight=weight, bias=bias, sequence_parallel=sequence_parallel, **kwargs)
+        x = input.reshape(rows, input.shape[-1]).contiguous()  # [rows, in]
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # [rows, out]
+        return out.view(*input.shape[:-1], out.shape[-1])
+
+    return forward_impl
+
+
+@contextlib.contextmanager
+def onednn_linears(chunks, enabled: bool = True):
+    """Inside the block, every megatron-core linear with an fp32 CPU weight runs no-grad GEMMs of
+    >= ONEDNN_MIN_ROWS rows through oneDNN (module docstring) when `enabled`; on exit (exception included) each
+    gets megatron's implementation back. Yields the number of linears routed."""
+    routed = []
+    try:
+        if enabled and onednn_available():
+            from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+            linears = (ColumnParallelLinear, RowParallelLinear)
+            for chunk in chunks:
+                for module in chunk.modules():
+                    w = getattr(module, "weight", None)
+                    # weight None: a tied LM head, handed the embedding's weight per call
+                    if (isinstance(module, linears) and "_forward_impl" not in vars(module)
+                            and (w is None or (w.dtype == torch.float32 and w.device.type == "cpu"))):
+                        module._forward_impl = _onednn_forward_impl(module._forward_impl)
+                        routed.append(module)
+        yield len(routed)
+    finally:
+        for module in routed:
+            del module._forward_impl

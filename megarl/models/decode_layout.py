@@ -11,6 +11,7 @@ so nothing is switched there.
 
 Cost: a second copy of the switched weights for the duration of the call (the [out, in] tensors
 are kept to be put back untouched, views into megatron's parameter buffers included).
+The GEMM library those linears use while generating is models/cpu_gemm.py's `onednn_linears`.
 """
 from __future__ import annotations
 
@@ -66,3 +67,4 @@ def in_major_weights(chunks, enabled: bool = True):
     finally:
         for w, original in swapped:
             w.data = original
+
