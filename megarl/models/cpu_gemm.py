@@ -172,12 +172,14 @@ def _onednn_forward_impl(megatron_impl):
 
 @contextlib.contextmanager
 def onednn_linears(chunks, enabled: bool = True):
-    """Inside the block, every megatron-core linear with an fp32 CPU weight runs no-grad GEMMs of
-    >= ONEDNN_MIN_ROWS rows through oneDNN (module docstring) when `enabled`; on exit (exception included) each
-    gets megatron's implementation back. Yields the number of linears routed."""
+    """Inside the block (when `enabled` and the chunks are on a CPU), every megatron-core linear
+    with an fp32 weight runs no-grad GEMMs of >= ONEDNN_MIN_ROWS rows through oneDNN (module
+    docstring); on exit (exception included) each gets megatron's implementation back. Yields
+    the number of linears routed."""
     routed = []
     try:
-        if enabled and onednn_available():
+        on_cpu = all(p.device.type == "cpu" for c in chunks for p in c.parameters())
+        if enabled and on_cpu and onednn_available():
             from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
             linears = (ColumnParallelLinear, RowParallelLinear)
@@ -186,7 +188,7 @@ def onednn_linears(chunks, enabled: bool = True):
                     w = getattr(module, "weight", None)
                     # weight None: a tied LM head, handed the embedding's weight per call
                     if (isinstance(module, linears) and "_forward_impl" not in vars(module)
-                            and (w is None or (w.dtype == torch.float32 and w.device.type == "cpu"))):
+                            and (w is None or w.dtype == torch.float32)):
                         module._forward_impl = _onednn_forward_impl(module._forward_impl)
                         routed.append(module)
         yield len(routed)

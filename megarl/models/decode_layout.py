@@ -67,4 +67,3 @@ def in_major_weights(chunks, enabled: bool = True):
     finally:
         for w, original in swapped:
             w.data = original
-
