@@ -1,11 +1,13 @@
-"""The LM head's GEMM at a decode step's few rows, in three weight layouts (CPU, fp32).
+"""The LM head's GEMM at a decode step's few rows, in three weight layouts and two libraries (CPU, fp32).
 
     python bench/bench_head_layout.py [--vocab 151936] [--hidden 256] [--reps 15] [--threads 1]
 
 A decode step with m live rows multiplies [m, h] by the head's [V, h] weight. MKL's sgemm on that
 layout (`F.linear`, what megatron-core's output layer runs) has a dip at 4-8 rows on some CPUs; the
 same product as `(W @ x.T).T` (no copy) or `x @ W.t().contiguous()` (a second, [h, V] copy of the
-weight) takes other kernels. Prints best / median ms per layout and the error against float64.
+weight) takes other kernels. oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`,
+what megarl's generation runs at 2+ rows, models/cpu_gemm.py) reads either memory order. Prints
+best / median ms per variant and the error against float64.
 """
 import argparse
 import statistics
@@ -28,6 +30,10 @@ def main():
     wt = w.t().contiguous()  # [h, V]
     layouts = {"F.linear(x, W)": lambda x: F.linear(x, w), "(W @ x.T).T": lambda x: (w @ x.t()).t(),
                "x @ W.t().contiguous()": lambda x: x @ wt}
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        onednn = torch.ops.mkldnn._linear_pointwise
+        layouts["oneDNN, W"] = lambda x: onednn(x, w, None, "none", [], "")
+        layouts["oneDNN, W.t().contiguous()"] = lambda x: onednn(x, wt.t(), None, "none", [], "")
     print(f"LM head {args.vocab} x {args.hidden} fp32, {args.threads} thread(s), best / median ms of {args.reps}\n")
     print("| rows | " + " | ".join(layouts) + " | max rel err vs float64 |")
     print("|---" * (len(layouts) + 2) + "|")

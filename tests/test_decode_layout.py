@@ -1,8 +1,8 @@
-"""CPU generation reads each linear's weight from [in, out] memory and runs its GEMMs of 2+ rows
-through oneDNN (models/decode_layout.py): which weights switch and which linears are routed, that
-they come back untouched (optimizer buffers included, exceptions included), that the routed GEMM
-equals a float64 product where it runs and megatron's path is taken everywhere else, and that
-generation is the same model either way (fp32 rounding only)."""
+"""CPU generation reads each linear's weight from [in, out] memory (models/decode_layout.py) and
+runs its GEMMs of 2+ rows through oneDNN (models/cpu_gemm.py; the routed GEMM itself is tested in
+tests/test_cpu_gemm.py): which weights switch and which linears are routed, that they come back
+untouched (optimizer buffers included, exceptions included), and that generation is the same
+model in every layout and library (fp32 rounding only)."""
 import pytest
 import torch
 

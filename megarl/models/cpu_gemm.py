@@ -3,10 +3,11 @@ sgemm, rounded once (train.cpu_half_gemm).
 
 fp32 linears without autograd (generation, scoring). MKL's sgemm (what `torch.matmul` runs) and
 oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`, in every x86 torch build)
-compute the same product up to summation order. At decode sizes oneDNN was 0.7-0.9x of MKL's
-time on an AMD EPYC (Zen 4) from 2 to 64 rows, reading the weight in either memory order (the
-32k-word LM head at 64 rows: 22 against 32 ms), and 2x slower at 1 row, where MKL's
-matrix-vector product wins; at scoring sizes (thousands of rows) 0.8-0.95x
+compute the same product up to summation order. At decode sizes oneDNN reading the [in, out]
+memory the rollout gives the weights (models/decode_layout.py) took 0.7-1.0x of MKL's time on an
+AMD EPYC (Zen 4) from 2 to 64 rows (the 32k-word LM head at 64 rows: 22 against 32 ms), and 2x
+longer at 1 row, where MKL's matrix-vector product wins; at scoring sizes (thousands of rows,
+the stored [out, in] memory) 0.8-1.0x
 (docs/benchmarks.md, `bench/bench_decode_layout.py`, `bench/bench_gemm_floor.py`).
 `onednn_linears(chunks)` routes the local GEMM of every megatron-core linear through oneDNN for a
 block, where it has >= 2 rows, fp32 CPU operands, no autograd and no sequence-parallel gather;

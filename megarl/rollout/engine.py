@@ -117,7 +117,7 @@ class MegatronRolloutEngine(RolloutEngine):
             call (models/decode_layout.py: 1.1-2x faster decode GEMMs; one more copy of those
             weights while generating). No effect on GPU or for bf16 weights.
         onednn_linears: on CPU, fp32 linears of 2+ rows run through oneDNN's inner product instead
-            of MKL's sgemm during the call (models/cpu_gemm.py: 0.7-0.9x the GEMM time at
+            of MKL's sgemm during the call (models/cpu_gemm.py: 0.7-1.0x the GEMM time at
             decode sizes on the CPU measured). No effect on GPU or for bf16 weights.
         cpu_half_gemm: how bf16/fp16 GEMMs run on CPU (train.cpu_half_gemm, models/cpu_gemm.py);
             default: the role's setting, else "native" (torch's half kernels)."""
