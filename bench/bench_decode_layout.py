@@ -1,7 +1,7 @@
 """CPU benchmark: one RL step's rollout with the linears' weights read in [in, out] memory and
-their GEMMs run by oneDNN (megarl's default on CPU, models/decode_layout.py and cpu_gemm.py),
-against the same memory with MKL's sgemm (torch.matmul) and against megatron-core's stored
-[out, in] with MKL; with --score, also the step's reference scoring with the forward-only
+their GEMMs run by oneDNN, the LM head's at 2-4 rows by MKL on its stored [out, in] memory
+(megarl's default on CPU, models/decode_layout.py and cpu_gemm.py), against oneDNN alone, the
+[in, out] memory with MKL's sgemm (torch.matmul) and megatron-core's stored [out, in] with MKL; with --score, also the step's reference scoring with the forward-only
 linears through oneDNN (megarl's default) and through MKL.
 
     python bench/bench_decode_layout.py [--workload realistic|default] [--reps 3] [--threads 1] [--score]
@@ -60,15 +60,21 @@ def main():
         batch = next(stage.prompts)
         params = stage._sampling(stage.cfg.rl.temperature, stage.cfg.rl.samples_per_prompt)
 
+        from megarl.models import cpu_gemm
+
+        head_rows = cpu_gemm.OUT_MAJOR_MAX_ROWS
+
         def rollout(flags):
-            engine.in_major_weights, engine.onednn_linears = flags
+            engine.in_major_weights, engine.onednn_linears = flags[:2]
+            cpu_gemm.OUT_MAJOR_MAX_ROWS = head_rows if flags[2] else 0  # the LM head at 2-4 rows on [out, in]
             t0, c0 = time.perf_counter(), time.process_time()
             r = engine.generate(batch["prompt_ids"], params, seed=1)
             return time.perf_counter() - t0, time.process_time() - c0, r
 
-        variants = {"[in, out], oneDNN (megarl's CPU default)": (True, True),
-                    "[in, out], MKL": (True, False),
-                    "[out, in] (megatron-core's stored layout), MKL": (False, False)}
+        variants = {"[in, out], oneDNN; the head at 2-4 rows MKL on [out, in] (megarl's CPU default)": (True, True, True),
+                    "[in, out], oneDNN": (True, True, False),
+                    "[in, out], MKL": (True, False, False),
+                    "[out, in] (megatron-core's stored layout), MKL": (False, False, False)}
         out = {name: rollout(flag)[2] for name, flag in variants.items()}  # warm-up; the samples compared
         wall = {name: [] for name in variants}
         cpu = {name: [] for name in variants}

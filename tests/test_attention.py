@@ -95,3 +95,23 @@ def test_training_forward_and_gradients_equal_megatron_core_attention(precision,
             scale = ref_grads[k].abs().max().clamp(min=1e-6)
             err = (grads[k] - ref_grads[k]).abs().max() / scale
             assert err < (1e-4 if precision == "fp32" else 5e-2), f"{name}: grad {k} off by {err:.2e} (relative)"
+
+
+def test_packed_rows_are_read_once_per_micro_batch_and_give_each_row_its_positions():
+    """The row offsets leave the device once per packed micro-batch (its first layer), not once
+    per layer; a new micro-batch (a new offsets tensor) is read afresh."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megarl.models.attention import _packed_rows
+
+    lens = torch.randint(1, 9, (5,), generator=torch.Generator().manual_seed(4)).tolist()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    offsets, positions = _packed_rows(packed, torch.device("cpu"))
+    assert offsets == cu.tolist()
+    assert positions.tolist() == [p for n in lens for p in range(n)]
+    again = _packed_rows(packed, torch.device("cpu"))
+    assert again[0] is offsets and again[1] is positions  # cached on the micro-batch's params
+    packed.cu_seqlens_q = cu.flip(0).cumsum(0).to(torch.int32)  # another micro-batch's offsets
+    assert _packed_rows(packed, torch.device("cpu"))[0] == packed.cu_seqlens_q.tolist()
+

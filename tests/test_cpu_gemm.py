@@ -273,3 +273,36 @@ def test_onednn_linear_leaves_everything_else_to_megatron():
     assert len(calls) == 4
     assert all(set(c) == {"gradient_accumulation_fusion", "allreduce_dgrad", "tp_group", "grad_output_buffer"}
                for c in calls)  # megatron's settings passed through untouched
+
+
+@pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_wide_weight_at_2_to_4_rows_reads_its_out_major_tensor(with_bias):
+    """The LM head at 2-4 rows runs MKL's (W @ x.T).T on the [out, in] tensor generation kept;
+    at 5+ rows, without that tensor, or on a narrower weight it runs oneDNN; equal to float64."""
+    from megarl.models import cpu_gemm
+
+    g = torch.Generator().manual_seed(11)
+    stored = torch.randn(cpu_gemm.OUT_MAJOR_MIN_OUT, 40, generator=g) / 6  # [out, in] memory
+    w = torch.nn.Parameter(stored.t().contiguous().t(), requires_grad=False)  # the decode layout
+    narrow = torch.nn.Parameter(torch.randn(cpu_gemm.OUT_MAJOR_MIN_OUT - 64, 40, generator=g), requires_grad=False)
+    bias = torch.randn(stored.shape[0], generator=g) if with_bias else None
+    kw = dict(gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False, tp_group=None,
+              grad_output_buffer=None)
+    calls = []
+    impl = _onednn_forward_impl(_fake_megatron_impl(calls), {id(w): stored, id(narrow): narrow.data})
+
+    def libraries(rows, weight, b=None, run=impl):
+        x = torch.randn(rows, 1, 40, generator=g)
+        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            y = run(input=x, weight=weight, bias=b, **kw)
+        ref = x.double() @ weight.double().t() + (b.double() if b is not None else 0)
+        assert y.shape == (rows, 1, weight.shape[0]) and y.is_contiguous()
+        assert float((y.double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
+        keys = {e.key for e in prof.key_averages()}
+        return ("oneDNN" if "mkldnn::_linear_pointwise" in keys else "") + ("MKL" if "aten::mm" in keys else "")
+
+    assert [libraries(r, w, bias) for r in (2, 3, 4, 5, 8)] == ["MKL"] * 3 + ["oneDNN"] * 2
+    assert libraries(3, narrow) == "oneDNN"  # not wide: oneDNN wins there
+    assert libraries(3, w, bias, _onednn_forward_impl(_fake_megatron_impl(calls))) == "oneDNN"  # no [out, in] kept
+    assert calls == []

@@ -34,9 +34,11 @@ def _body(rank, world_size):
         weights = decode_layout.switchable_weights(role.chunks)
         before = [(w, w.untyped_storage().data_ptr(), w.data_ptr(), w.stride(), w.detach().clone()) for w in weights]
         inside = []
-        with decode_layout.in_major_weights(role.chunks) as n:
+        with decode_layout.in_major_weights(role.chunks) as out_major:
             for w, _, ptr, _, values in before:
-                inside.append((w.t().is_contiguous(), w.data_ptr() != ptr, torch.equal(w, values)))
+                kept = out_major[id(w)]  # the weight's own [out, in] tensor, handed to cpu_gemm
+                inside.append((w.t().is_contiguous(), w.data_ptr() != ptr, torch.equal(w, values),
+                               kept.data_ptr() == ptr and kept.is_contiguous() and torch.equal(kept, values)))
 
         def restored():  # the same memory (views into megatron's buffer stay views), layout and values
             return all(w.untyped_storage().data_ptr() == storage and w.data_ptr() == ptr and w.stride() == stride
@@ -65,15 +67,24 @@ def _body(rank, world_size):
         fast = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD)
         greedy = SamplingParams(greedy=True, max_new_tokens=10)
         sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=10)
-        runs, onednn_calls = [], []
-        for e in (plain, mkl, fast):
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                runs.append((e.generate(prompts, greedy, seed=0), e.generate(prompts, sampled, seed=4)))
-            onednn_calls.append(sum(ev.count for ev in prof.key_averages() if ev.key == "mkldnn::_linear_pointwise"))
+        runs, onednn_calls, head_mkl_calls = [], [], []
+        for e, wide in ((plain, None), (mkl, None), (fast, None), (fast, VOCAB)):
+            # wide: the head counts as wide (models/cpu_gemm.py), so 2-4 rows read its [out, in] tensor
+            cpu_gemm.OUT_MAJOR_MIN_OUT, default_wide = wide or cpu_gemm.OUT_MAJOR_MIN_OUT, cpu_gemm.OUT_MAJOR_MIN_OUT
+            try:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+                    runs.append((e.generate(prompts, greedy, seed=0), e.generate(prompts, sampled, seed=4)))
+            finally:
+                cpu_gemm.OUT_MAJOR_MIN_OUT = default_wide
+            events = prof.key_averages(group_by_input_shape=True)
+            onednn_calls.append(sum(ev.count for ev in events if ev.key == "mkldnn::_linear_pointwise"))
+            head_mkl_calls.append(sum(ev.count for ev in events if ev.key == "aten::mm" and ev.input_shapes
+                                      and ev.input_shapes[0][:1] and ev.input_shapes[0][0] >= VOCAB
+                                      and ev.input_shapes[0][1] == mc.hidden_size))
         out[tied] = dict(linears=len(linears), routed=routed, routed_inside=routed_inside, routed_after=routed_after,
-                         onednn_calls=onednn_calls,
+                         onednn_calls=onednn_calls, head_mkl_calls=head_mkl_calls,
                          storages=len({w.untyped_storage().data_ptr() for w in weights}),
-                         names=sorted(names[id(w)] for w in weights), switched=n, inside=inside,
+                         names=sorted(names[id(w)] for w in weights), switched=len(out_major), inside=inside,
                          restored=was_restored, restored_after_error=restored_after_error,
                          greedy=[r[0].responses() for r in runs], sampled=[r[1].responses() for r in runs],
                          logprob_diff=max(float((a.logprobs - b.logprobs).abs().max())
@@ -98,7 +109,7 @@ def test_every_linear_switches_and_comes_back_untouched(result, tied):
     head = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
     assert r["names"] == sorted([f"decoder.layers.{i}.{n}" for i in range(2) for n in per_layer] + [head])
     assert r["switched"] == len(r["names"]) == len(r["inside"])
-    assert all(in_major and moved and same for in_major, moved, same in r["inside"]), r["inside"]
+    assert all(in_major and moved and same and kept for in_major, moved, same, kept in r["inside"]), r["inside"]
     assert r["restored"] and r["restored_after_error"]
     assert r["storages"] == (1 if tied else len(r["names"]))  # one buffer / a tensor each
 
@@ -106,8 +117,8 @@ def test_every_linear_switches_and_comes_back_untouched(result, tied):
 @pytest.mark.parametrize("tied", [False, True])
 def test_generation_is_the_same_model_in_either_layout_and_library(result, tied):
     r = result[tied]
-    assert r["greedy"][0] == r["greedy"][1] == r["greedy"][2]
-    assert r["sampled"][0] == r["sampled"][1] == r["sampled"][2]  # keyed draws over logits equal to fp32 rounding
+    assert r["greedy"][0] == r["greedy"][1] == r["greedy"][2] == r["greedy"][3]
+    assert r["sampled"][0] == r["sampled"][1] == r["sampled"][2] == r["sampled"][3]  # keyed draws, fp32 rounding
     assert 0.0 <= r["logprob_diff"] < 1e-4, r["logprob_diff"]
 
 
@@ -116,11 +127,14 @@ def test_every_linear_is_routed_to_onednn_and_comes_back(result, tied):
     r = result[tied]
     assert r["linears"] == 2 * 4 + 1  # qkv, proj, fc1, fc2 per layer and the LM head (tied: handed the embedding)
     assert r["routed"] == r["linears"] and r["routed_inside"] and r["routed_after"] == 0
-    plain, mkl, fast = r["onednn_calls"]
+    plain, mkl, fast, wide = r["onednn_calls"]
     assert plain == mkl == 0
     # every linear of every forward with 2+ rows: at most the prefill and 9 decode steps of each of
     # the 4-row greedy and 12-row sampled batches (rows left alone at the end go MKL's path)
     assert r["linears"] * 10 <= fast <= r["linears"] * 20, r["onednn_calls"]
+    # a wide head: its forwards of 2-4 rows leave oneDNN for MKL on the [out, in] tensor
+    assert r["head_mkl_calls"][2] == 0 and r["head_mkl_calls"][3] > 0, r["head_mkl_calls"]
+    assert wide == fast - r["head_mkl_calls"][3], r["onednn_calls"]
 
 
 def test_bf16_weights_stay_in_their_layout(result):

@@ -95,6 +95,18 @@ def _rows_packed(packed) -> bool:
     return packed.qkv_format == "sbhd" and packed.cu_seqlens_q is not None
 
 
+def _packed_rows(packed, device: torch.device) -> tuple[list[int], Tensor]:
+    """The row offsets (host ints) and each token's position in its row ([T] on `device`) of a
+    packed micro-batch, computed by its first layer and kept on the PackedSeqParams for the
+    others: one host read of the offsets per forward, not one per layer."""
+    rows = getattr(packed, "_megarl_rows", None)
+    if rows is None or rows[0] is not packed.cu_seqlens_q or rows[2].device != device:
+        cu = packed.cu_seqlens_q.tolist()
+        positions = torch.cat([torch.arange(e - s) for s, e in zip(cu, cu[1:])]).to(device)
+        rows = packed._megarl_rows = (packed.cu_seqlens_q, cu, positions)
+    return rows[1], rows[2]
+
+
 def self_attention_class():
     """Built lazily, so that importing megarl needs no megatron-core."""
     from megatron.core.transformer.attention import SelfAttention
@@ -171,9 +183,8 @@ def self_attention_class():
             if type(core).__name__ != "DotProductAttention" or (self.training and core.attention_dropout.p > 0):
                 raise NotImplementedError("packed rows need megarl's SDPA attention (the local layer spec, "
                                           "no attention dropout); use rl.packing=false")
-            cu = packed.cu_seqlens_q.tolist()
+            cu, positions = _packed_rows(packed, query.device)
             if freqs is not None:
-                positions = torch.cat([torch.arange(e - s_) for s_, e in zip(cu, cu[1:])]).to(freqs.device)
                 query = apply_rope(query, freqs[positions])
                 key = apply_rope(key, freqs[positions])
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [1, n|g, T, d]

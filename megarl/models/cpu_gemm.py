@@ -12,7 +12,11 @@ the stored [out, in] memory) 0.8-1.0x
 `onednn_linears(chunks)` routes the local GEMM of every megatron-core linear through oneDNN for a
 block, where it has >= 2 rows, fp32 CPU operands, no autograd and no sequence-parallel gather;
 everything else takes megatron-core's own path. Training keeps megatron's autograd function
-(its backward, gradient accumulation fusion and main_grad).
+(its backward, gradient accumulation fusion and main_grad). One exception: a wide weight (the LM
+head, >= OUT_MAJOR_MIN_OUT outputs) at 2-4 rows, where MKL's `(W @ x.T).T` on the stored [out, in]
+memory took 0.5-0.85x of oneDNN's time (32k x 512 and 152k x 256 heads; at 6+ rows and on narrower
+weights it is no faster, and at 1 row MKL's matrix-vector product on [in, out] memory wins); it
+runs there when generation kept that tensor (`out_major`, from models/decode_layout.py).
 
 A half-precision GEMM on a CPU multiplies half inputs, accumulates in fp32 and rounds the result
 to half once. The product of two bf16 (or fp16) numbers is exact in fp32 (8 + 8 or 11 + 11
@@ -148,16 +152,19 @@ def half_gemms_in_fp32(chunks, enabled: bool):
 # ---------------------------------------------------------------- fp32 linears through oneDNN
 
 ONEDNN_MIN_ROWS = 2  # below this MKL's matrix-vector product is faster (module docstring)
+OUT_MAJOR_MAX_ROWS = 4  # up to this many rows, a wide weight's GEMM reads its [out, in] memory
+OUT_MAJOR_MIN_OUT = 16384  # "wide": an LM head (a vocabulary shard), not a layer's linear
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _onednn_forward_impl(megatron_impl):
+def _onednn_forward_impl(megatron_impl, out_major=None):
     """A linear's `_forward_impl` (megatron-core calls it with keywords: input, weight, bias,
     sequence_parallel, and the backward's settings) that runs the local GEMM through oneDNN where
-    it pays, and megatron's own implementation everywhere else."""
+    it pays, and megatron's own implementation everywhere else. out_major: {id(weight): the same
+    values in [out, in] memory} for the wide weights' GEMMs of 2-4 rows (module docstring)."""
 
     def forward_impl(input, weight, bias=None, sequence_parallel=False, **kwargs):
         rows = input.numel() // max(input.shape[-1], 1)
@@ -165,16 +172,24 @@ def _onednn_forward_impl(megatron_impl):
                 or input.device.type != "cpu" or input.dtype != torch.float32 or weight.dtype != torch.float32):
             return megatron_impl(input=input, weight=weight, bias=bias, sequence_parallel=sequence_parallel, **kwargs)
         x = input.reshape(rows, input.shape[-1]).contiguous()  # [rows, in]
-        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # [rows, out]
+        stored = (out_major.get(id(weight)) if out_major and rows <= OUT_MAJOR_MAX_ROWS
+                  and weight.shape[0] >= OUT_MAJOR_MIN_OUT else None)
+        if stored is not None:  # [out, in] memory: MKL streams it once for all rows
+            out = torch.mm(stored, x.t()).t().contiguous()  # [rows, out]
+            if bias is not None:
+                out += bias
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # [rows, out]
         return out.view(*input.shape[:-1], out.shape[-1])
 
     return forward_impl
 
 
 @contextlib.contextmanager
-def onednn_linears(chunks, enabled: bool = True):
+def onednn_linears(chunks, enabled: bool = True, out_major=None):
     """Inside the block (when `enabled` and the chunks are on a CPU), every megatron-core linear
-    with an fp32 weight runs no-grad GEMMs of >= ONEDNN_MIN_ROWS rows through oneDNN (module
+    with an fp32 weight runs no-grad GEMMs of >= ONEDNN_MIN_ROWS rows through oneDNN, wide ones
+    of up to OUT_MAJOR_MAX_ROWS rows through MKL on `out_major`'s tensor where it has one (module
     docstring); on exit (exception included) each gets megatron's implementation back. Yields
     the number of linears routed."""
     routed = []
@@ -190,7 +205,7 @@ def onednn_linears(chunks, enabled: bool = True):
                     # weight None: a tied LM head, handed the embedding's weight per call
                     if (isinstance(module, linears) and "_forward_impl" not in vars(module)
                             and (w is None or w.dtype == torch.float32)):
-                        module._forward_impl = _onednn_forward_impl(module._forward_impl)
+                        module._forward_impl = _onednn_forward_impl(module._forward_impl, out_major)
                         routed.append(module)
         yield len(routed)
     finally:

@@ -54,7 +54,9 @@ def switchable_weights(chunks) -> list[torch.nn.Parameter]:
 def in_major_weights(chunks, enabled: bool = True):
     """Inside the block, each switchable weight holds the same values with [in, out] memory
     (`w.t()` contiguous); on exit (exception included) every weight gets its own tensor back.
-    Yields the number of weights switched. For no-grad forwards only (generation)."""
+    Yields {id(weight): its own [out, in] tensor} of the weights switched (kept anyway, to be put
+    back; models/cpu_gemm.py reads the LM head's at 2-4 rows). For no-grad forwards only
+    (generation)."""
     swapped = []
     try:
         if enabled:
@@ -63,7 +65,7 @@ def in_major_weights(chunks, enabled: bool = True):
                     original = w.data
                     w.data = original.t().contiguous().t()  # [out, in] shape, [in, out] memory
                     swapped.append((w, original))
-        yield len(swapped)
+        yield {id(w): original for w, original in swapped}
     finally:
         for w, original in swapped:
             w.data = original

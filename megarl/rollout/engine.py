@@ -118,7 +118,9 @@ class MegatronRolloutEngine(RolloutEngine):
             weights while generating). No effect on GPU or for bf16 weights.
         onednn_linears: on CPU, fp32 linears of 2+ rows run through oneDNN's inner product instead
             of MKL's sgemm during the call (models/cpu_gemm.py: 0.7-1.0x the GEMM time at
-            decode sizes on the CPU measured). No effect on GPU or for bf16 weights.
+            decode sizes on the CPU measured), except the LM head's at 2-4 rows, which runs MKL
+            on its stored [out, in] tensor when in_major_weights kept it (0.5-0.85x of oneDNN).
+            No effect on GPU or for bf16 weights.
         cpu_half_gemm: how bf16/fp16 GEMMs run on CPU (train.cpu_half_gemm, models/cpu_gemm.py);
             default: the role's setting, else "native" (torch's half kernels)."""
         self.chunks = _model_chunks(role)
@@ -166,8 +168,8 @@ class MegatronRolloutEngine(RolloutEngine):
         if self.tools is not None:
             stats["tool_s"] = 0.0
         with (_inference_mode(self.chunks, self.gpt),
-              decode_layout.in_major_weights(self.chunks, self.in_major_weights),
-              cpu_gemm.onednn_linears(self.chunks, self.onednn_linears),
+              decode_layout.in_major_weights(self.chunks, self.in_major_weights) as out_major,
+              cpu_gemm.onednn_linears(self.chunks, self.onednn_linears, out_major),
               cpu_gemm.half_gemms_in_fp32(self.chunks, self.half_gemms_fp32)):
             for b0 in range(0, N, self.max_batch_size):
                 batch = order[b0: b0 + self.max_batch_size]
