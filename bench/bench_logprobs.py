@@ -94,9 +94,14 @@ def head_child(impl, shape, dtype, mode, what, reps, threads):
     bwd = mode == "fwd+bwd"
     hidden.requires_grad_(bwd), weight.requires_grad_(bwd)
 
+    if impl == "fused-fresh":  # each logit chunk a fresh tensor, as before the per-call workspace
+        from megarl.ops import fused_head
+
+        fused_head._workspace = lambda x, elems: None
+
     def fn(x, tt):
-        if impl in ("fused", "fused-lp"):  # fused-lp: log-probs only, as RL without an entropy bonus
-            return linear_logprobs_and_entropy(x, weight, tt, with_entropy=impl == "fused")
+        if impl in ("fused", "fused-lp", "fused-fresh"):  # fused-lp: log-probs only, as RL without an entropy bonus
+            return linear_logprobs_and_entropy(x, weight, tt, with_entropy=impl != "fused-lp")
         return logprobs_and_entropy(F.linear(x, weight), tt)
 
     def once(rows=T):
@@ -179,11 +184,14 @@ def main():
     ap.add_argument("--head", action="store_true", help="fused output layer vs output layer + op; "
                     "--shapes are TxVxh (default 1024x152064x64,16384x152064x64)")
     ap.add_argument("--max-gib", type=float, default=12.0, help="--head: skip unfused runs needing more")
+    ap.add_argument("--impls", default="unfused,fused,fused-lp",
+                    help="--head: which of unfused, fused, fused-lp, fused-fresh (fused, each logit chunk "
+                         "allocated afresh: the op before its per-call workspace)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         impl, shape, dtype, mode, what = args.child.split(":")
-        run = head_child if impl in ("fused", "fused-lp", "unfused") else child
+        run = head_child if impl in ("fused", "fused-lp", "fused-fresh", "unfused") else child
         res = run(impl, tuple(map(int, shape.split("x"))), dtype, mode, what, args.reps, args.threads)
         print("RESULT " + json.dumps(res))
         return
@@ -239,7 +247,7 @@ def head_main(args):
     shapes = args.shapes if args.shapes != "4096x32000,2048x152064" else "1024x152064x64,16384x152064x64"
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}, "
           f"command: python bench/bench_logprobs.py --head --reps {args.reps} --threads {args.threads} "
-          f"--shapes {shapes} --dtypes {args.dtypes} --modes {args.modes} --max-gib {args.max_gib}")
+          f"--shapes {shapes} --dtypes {args.dtypes} --modes {args.modes} --max-gib {args.max_gib} --impls {args.impls}")
     print()
     print("| T x V x h | dtype | mode | impl | RSS extra MiB | alloc peak MiB | allocs | % of fp32 logits "
           "(alloc peak) | wall s | CPU s |")
@@ -252,7 +260,8 @@ def head_main(args):
         if impl == "unfused" and need_gib > args.max_gib:
             return f"needs ~{need_gib:.0f} GiB (> --max-gib {args.max_gib:g}) | | | | |"
 
-    for shape, dtype, mode, impl, mem, tim in measured(args, shapes, ("unfused", "fused", "fused-lp"), too_big):
+    impls = tuple(args.impls.split(","))
+    for shape, dtype, mode, impl, mem, tim in measured(args, shapes, impls, too_big):
         pct = 100 * mem["alloc_peak_mib"] / mem["logits_mib"]
         print(f"| {shape} | {dtype} | {mode} | {impl} | {mem['extra_mib']:.0f} "
               f"| {mem['alloc_peak_mib']:.0f} | {mem['allocs']} | {pct:.1f}% "

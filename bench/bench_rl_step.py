@@ -550,6 +550,8 @@ def main() -> None:
     if ap.parse_known_args()[0].workload == "realistic":
         ap.set_defaults(**REALISTIC)  # explicit options still win
     args = ap.parse_args()
+    if args.steps < 1:
+        ap.error("--steps must be >= 1 (timed steps after the warm-up)")
     args.prompt_min = 40 if args.workload == "realistic" else args.prompt_len
     if args.packing is None:
         args.packing = "on" if args.workload == "realistic" else "off"

@@ -143,10 +143,16 @@ def test_no_logits_saved_for_backward_and_chunk_bounded(monkeypatch):
     x, w, t = make(T, h, n, seed=6, ignore_frac=0.0)  # every token counts: chunks of exactly `chunk` rows
     x.requires_grad_(), w.requires_grad_()
     saved = []
-    shapes = []
+    shapes, storages = [], []
     real = fused_head._chunk_logits
-    monkeypatch.setattr(fused_head, "_chunk_logits",
-                        lambda xc, ww, fp: shapes.append((xc.shape[0], ww.shape[0])) or real(xc, ww, fp))
+
+    def chunk_logits(xc, ww, fp, *workspace):
+        shapes.append((xc.shape[0], ww.shape[0]))
+        z = real(xc, ww, fp, *workspace)
+        storages.append(z.untyped_storage().data_ptr())
+        return z
+
+    monkeypatch.setattr(fused_head, "_chunk_logits", chunk_logits)
     with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s.numel()) or s, lambda s: s):
         lp, ent = linear_logprobs_and_entropy(x, w, t, chunk_size=chunk)
     (lp.sum() + ent.sum()).backward()
@@ -156,6 +162,8 @@ def test_no_logits_saved_for_backward_and_chunk_bounded(monkeypatch):
     cols = chunk * n // T // 64 * 64  # 512 columns: about as many logits as a forward chunk, 64-aligned
     assert [v for _, v in backward] == [cols] * (n // cols) + [n % cols] and {c for c, _ in backward} == {T}
     assert max(c * v for c, v in shapes) <= chunk * n
+    # on a CPU each pass writes all its chunks into one buffer (no fresh, first-touched memory per chunk)
+    assert len(set(storages[:len(forward)])) == 1 and len(set(storages[len(forward):])) == 1
 
 
 def test_one_chunk_keeps_its_logits_for_the_backward(monkeypatch):
@@ -165,7 +173,8 @@ def test_one_chunk_keeps_its_logits_for_the_backward(monkeypatch):
     x, w, t = make(T, h, n, seed=8, vocab_size=290, ignore_frac=0.0)
     calls = []
     real = fused_head._chunk_logits
-    monkeypatch.setattr(fused_head, "_chunk_logits", lambda xc, ww, fp: calls.append(xc.shape[0]) or real(xc, ww, fp))
+    monkeypatch.setattr(fused_head, "_chunk_logits",
+                        lambda xc, ww, fp, *ws: calls.append(xc.shape[0]) or real(xc, ww, fp, *ws))
     grads = {}
     for chunk in (T, T - 1):  # one chunk (kept) vs two chunks (recomputed)
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -367,7 +376,8 @@ def test_ignored_tokens_never_reach_the_output_layer(monkeypatch):
     assert 0 < n_valid < 60
     rows = []
     real = fused_head._chunk_logits
-    monkeypatch.setattr(fused_head, "_chunk_logits", lambda xc, ww, fp: rows.append(xc.shape[0]) or real(xc, ww, fp))
+    monkeypatch.setattr(fused_head, "_chunk_logits",
+                        lambda xc, ww, fp, *ws: rows.append(xc.shape[0]) or real(xc, ww, fp, *ws))
     xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
     lp, ent = linear_logprobs_and_entropy(xx, ww, t, chunk_size=7)
     backprop_mix(lp, ent)

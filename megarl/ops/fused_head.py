@@ -107,9 +107,21 @@ def head_logprobs(head, labels, *, temperature=1.0, with_entropy=False, ignore_i
         reduce_hidden_grad=not head.hidden_grad_reduced)
 
 
-def _chunk_logits(xc, weight, first_pad):
-    """[c, n] logits of one token chunk, padding columns masked (in place)."""
-    z = F.linear(xc, weight)
+def _workspace(x, elems: int):
+    """One flat buffer for all the logit chunks of a call on a CPU, or None (fresh chunks). A fresh
+    CPU tensor of chunk size (tens to hundreds of MB) is mapped anew and first-touched page by
+    page: at V = 152k that took ~20% of the chunk GEMM's time (docs/benchmarks.md). On a GPU the
+    caching allocator already hands the same memory back."""
+    return torch.empty(elems, dtype=x.dtype) if x.device.type == "cpu" and elems > 0 else None
+
+
+def _chunk_logits(xc, weight, first_pad, workspace=None):
+    """[c, n] logits of one token chunk, padding columns masked (in place); written into the
+    front of `workspace` when given."""
+    if workspace is None:
+        z = F.linear(xc, weight)
+    else:
+        z = torch.mm(xc, weight.t(), out=workspace[: xc.shape[0] * weight.shape[0]].view(xc.shape[0], weight.shape[0]))
     if first_pad < z.shape[1]:
         z[:, first_pad:] = torch.finfo(z.dtype).min if z.dtype == torch.float16 else _PAD_LOGIT
     return z
@@ -170,9 +182,10 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         keep = keep_one and N <= step
         z = None
         xg, wg = _gemm_operands(x, w)
+        workspace = _workspace(xg, min(N, step) * w.shape[0])
         for r0 in range(0, N, step):
             r1 = min(N, r0 + step)
-            z = _chunk_logits(xg[r0:r1], wg, first_pad)                        # [c, n]
+            z = _chunk_logits(xg[r0:r1], wg, first_pad, workspace)             # [c, n]
             stats = _chunk_stats(z, t[r0:r1], vocab_start, padded, ignore_index, inv_temp, with_entropy)
             for dst, src in zip((m, s, mom, zt), stats):
                 dst[r0:r1] = src
@@ -212,10 +225,11 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         gx = None  # [N, h], fp32 while accumulating
         gw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_w else None  # [n, h]
         xg, wg = _gemm_operands(x, w)  # fp32 copies where half GEMMs run in fp32 on this CPU
+        workspace = _workspace(xg, N * min(n, cols)) if kept is None else None
         for c0 in range(0, n, cols):
             c1 = min(n, c0 + cols)
             wc = wg[c0:c1]                                                     # [vc, h]
-            z = kept if kept is not None else _chunk_logits(xg, wc, max(first_pad - c0, 0))
+            z = kept if kept is not None else _chunk_logits(xg, wc, max(first_pad - c0, 0), workspace)
             kept = None
             dz = _chunk_grad(z, t, lse, ent, g_lp, g_ent, vocab_start + c0, inv_temp, ignore_index)  # [N, vc]
             del z
