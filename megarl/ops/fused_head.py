@@ -121,7 +121,8 @@ def _chunk_logits(xc, weight, first_pad, workspace=None):
     if workspace is None:
         z = F.linear(xc, weight)
     else:
-        z = torch.mm(xc, weight.t(), out=workspace[: xc.shape[0] * weight.shape[0]].view(xc.shape[0], weight.shape[0]))
+        c, n = xc.shape[0], weight.shape[0]
+        z = torch.mm(xc, weight.t(), out=workspace[: c * n].view(c, n))
     if first_pad < z.shape[1]:
         z[:, first_pad:] = torch.finfo(z.dtype).min if z.dtype == torch.float16 else _PAD_LOGIT
     return z
