@@ -1,8 +1,9 @@
 """CPU benchmark: one RL step's rollout with the linears' weights read in [in, out] memory and
 their GEMMs run by oneDNN, the LM head's at 2-4 rows by MKL on its stored [out, in] memory
 (megarl's default on CPU, models/decode_layout.py and cpu_gemm.py), against oneDNN alone, the
-[in, out] memory with MKL's sgemm (torch.matmul) and megatron-core's stored [out, in] with MKL; with --score, also the step's reference scoring with the forward-only
-linears through oneDNN (megarl's default) and through MKL.
+[in, out] memory with MKL's sgemm (torch.matmul) and megatron-core's stored [out, in] with MKL;
+with --score, also the step's reference scoring with the forward-only linears through oneDNN
+(megarl's default) and through MKL.
 
     python bench/bench_decode_layout.py [--workload realistic|default] [--reps 3] [--threads 1] [--score]
 

@@ -2,15 +2,18 @@
 
     python bench/bench_gemm_floor.py [--reps 5] [--threads 1] [--hidden 512] [--ffn 1408] [--layers 8]
                                      [--heads 8] [--kv-heads 8] [--vocab 32000] [--prompts 8]
-                                     [--samples 8] [--prompt-len 32] [--new-tokens 128]
+                                     [--samples 8] [--prompt-len 32] [--new-tokens 128] [--tokens N]
 
 Every GEMM of the step's linears (q/k/v + o, gated MLP, LM head), in the three shapes they take
 (forward y = x W^T, input gradient dx = dy W, weight gradient dW = dy^T x) at the training token
 count, and the forward at one decode step's row count, is timed with each implementation,
 interleaved (impl A, B, C, A, B, C, ...) so that load from others on the machine hits them alike:
-  mm-fp32      torch's fp32 matmul (MKL / the default BLAS), what F.linear runs on CPU today
-  onednn-fp32  torch.ops.mkldnn._linear_pointwise (oneDNN's fp32 inner product), forward only:
-               oneDNN exposes no plain matmul for the two backward layouts through torch
+  mm-fp32      torch's fp32 matmul (MKL / the default BLAS), what F.linear runs on CPU today,
+               into a fresh output per call (at an LM head's shape, page faults are a share)
+  mm-fp32-out  the same GEMM into an output allocated once per shape
+  onednn-fp32  torch.ops.mkldnn._linear_pointwise (oneDNN's fp32 inner product): the forward
+               and grad(input) (dy times W read as its transpose); not grad(weight), whose dy^T
+               it would need copied: counted at its forward rate in the floor
   mm-bf16      bf16 matmul (oneDNN with AVX-512 BF16 / AMX where the CPU has them)
   bf16-via-fp32  bf16 operands through fp32 sgemm, the result rounded to bf16 once, as megarl's
                train.cpu_half_gemm=fp32 runs them (models/cpu_gemm.py): activations converted per
@@ -31,8 +34,22 @@ import torch
 import torch.nn.functional as F
 
 
+def _mm_into_reused_output():
+    """MKL's fp32 x w^T written into one output per shape, allocated on first use."""
+    outs = {}
+
+    def fn(x, w):
+        key = (x.shape[0], w.shape[0])
+        if key not in outs:
+            outs[key] = torch.empty(key, dtype=x.dtype)
+        return torch.mm(x, w.t(), out=outs[key])
+
+    return fn
+
+
 def impls():
-    out = {"mm-fp32": (torch.float32, lambda x, w: F.linear(x, w))}
+    out = {"mm-fp32": (torch.float32, lambda x, w: F.linear(x, w)),
+           "mm-fp32-out": (torch.float32, _mm_into_reused_output())}
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         out["onednn-fp32"] = (torch.float32, lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
     out["mm-bf16"] = (torch.bfloat16, lambda x, w: F.linear(x, w))
@@ -85,6 +102,8 @@ def main():
     for name, default in (("hidden", 512), ("ffn", 1408), ("layers", 8), ("heads", 8), ("kv-heads", 8),
                           ("vocab", 32000), ("prompts", 8), ("samples", 8), ("prompt-len", 32), ("new-tokens", 128)):
         ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--tokens", type=int, default=0,
+                    help="rows of the training GEMMs (default: the step's, prompts x samples x length)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     rows, T = a.prompts * a.samples, a.prompt_len + a.new_tokens
@@ -93,13 +112,14 @@ def main():
           f"{a.threads} thread(s), {time.strftime('%Y-%m-%d')}, command: python bench/bench_gemm_floor.py "
           f"--reps {a.reps} --threads {a.threads} --hidden {a.hidden} --ffn {a.ffn} --layers {a.layers} "
           f"--heads {a.heads} --kv-heads {a.kv_heads} --vocab {a.vocab} --prompts {a.prompts} "
-          f"--samples {a.samples} --prompt-len {a.prompt_len} --new-tokens {a.new_tokens}\n")
+          f"--samples {a.samples} --prompt-len {a.prompt_len} --new-tokens {a.new_tokens}"
+          + (f" --tokens {a.tokens}" if a.tokens else "") + "\n")
     print("| linear | GEMM | M x N x K | " + " | ".join(f"{n} best / median GFLOP/s (rel err)" for n in libs) + " |")
     print("|---|---|---|" + "---|" * len(libs))
     g = torch.Generator().manual_seed(0)
     rates = {}  # (linear, kind, lib) -> best GFLOP/s
     for name, n, k in linears(a):
-        tok = rows * (a.new_tokens if name == "lm head" else T)
+        tok = a.tokens or rows * (a.new_tokens if name == "lm head" else T)
         for kind in ("fwd", "dgrad", "wgrad", "decode fwd"):
             M = rows if kind == "decode fwd" else tok
             x32, w32 = operands(kind, M, n, k, torch.float32, g)
@@ -108,8 +128,8 @@ def main():
             mnk = (x32.shape[0], w32.shape[0], x32.shape[1])
             times, errs = {lib: [] for lib in libs}, {}
             for lib, (dtype, fn) in libs.items():
-                if lib == "onednn-fp32" and kind in ("dgrad", "wgrad"):
-                    continue  # oneDNN inner product takes the same layouts; timed as its forward
+                if lib == "onednn-fp32" and kind == "wgrad":
+                    continue  # needs dy^T in memory, a copy: counted at its forward rate below
                 x, w = x32.to(dtype), w32.to(dtype)
                 if lib == "bf16-via-fp32" and kind != "wgrad":
                     w = w.float()  # a weight: converted once per block by megarl, not per GEMM
@@ -144,7 +164,7 @@ def main():
             r = rates.get((name, kind, lib)) or rates[(name, "fwd", lib)]  # oneDNN: backward at its forward rate
             secs += f / (r * 1e9)
         print(f"| {lib} | {secs:.2f} |")
-    print("\n(onednn-fp32's backward GEMMs are counted at its forward rate: a floor if oneDNN ran them too.)")
+    print("\n(onednn-fp32's grad(weight) GEMMs are counted at its forward rate: a floor if oneDNN ran them too.)")
 
 
 if __name__ == "__main__":

@@ -215,11 +215,14 @@ def necessary_flops(args, prompt_len: float, response_len: float) -> dict:
 
 
 def gemm_rates(args, reps: int = 3) -> dict:
-    """Best fp32 GFLOP/s of F.linear (MKL, megarl's and TRL's CPU path; the fastest exact GEMM on
-    the machine measured in bench_gemm_floor.py) per (linear, kind), at the step's shapes (4,096
-    tokens for training, one decode step's rows), in this process."""
+    """Best fp32 GFLOP/s per (linear, kind) at the step's shapes (4,096 tokens for training, one
+    decode step's rows), in this process, of the fastest exact GEMM on the machine: MKL's sgemm
+    (what `F.linear` runs, megarl's and TRL's CPU path) writing into an output allocated once, or
+    oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`, megarl's forward-only CPU
+    linears; not for grad(weight), which would need dy^T copied; bench_gemm_floor.py compares
+    them). A fresh output per call is not counted: at the
+    LM head's shape (4,096 x 151,936 fp32, 2.5 GB) its page faults alone took ~10% of the GEMM."""
     import torch
-    import torch.nn.functional as F
     from bench_gemm_floor import linears, operands
     from timing import best_wall_and_cpu
 
@@ -229,22 +232,31 @@ def gemm_rates(args, reps: int = 3) -> dict:
     for name, n, k in linears(args):
         for kind in ("fwd", "dgrad", "wgrad", "decode fwd"):
             x, w = operands(kind, rows if kind == "decode fwd" else 4096, n, k, torch.float32, g)
-            F.linear(x, w)  # warm-up
-            best, _ = best_wall_and_cpu(lambda: F.linear(x, w), reps)
+            out = torch.mm(x, w.t())  # warm-up; the output memory every MKL rep reuses
+            candidates = [lambda out=out: torch.mm(x, w.t(), out=out)]
+            if hasattr(torch.ops.mkldnn, "_linear_pointwise") and kind != "wgrad":  # wgrad: dy^T is a copy
+                candidates.append(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+                candidates[-1]()  # warm-up
+            best = min(best_wall_and_cpu(fn, reps)[0] for fn in candidates)
             rates[(name, kind)] = 2 * x.shape[0] * w.shape[0] * x.shape[1] / best / 1e9
+            del out, candidates  # the head's output is 2.5 GB at 4,096 tokens
     return rates
 
 
 def decode_seconds(args, reps: int = 3) -> dict:
     """Best seconds of each linear's forward at m = 1..rows live rows, {(linear, m): s}: a decode
     step with few rows is bound by reading the weight, so its time is measured, not derived from a
-    FLOP rate. The better of two weight layouts: MKL's sgemm on [m, k] x [n, k]^T is up to 1.8x
-    slower at m = 4..8 than at m = 16 on this machine (measured), which no engine need pay."""
+    FLOP rate. The fastest of four ways no engine need avoid: MKL's sgemm on the stored [n, k]
+    weight as `x W^T` and as `(W x^T)^T` (2-3x faster at 2-4 rows of an LM head), MKL on the
+    weight stored input-major ([k, n]: `x @ wt`), and oneDNN's inner product on that memory
+    (megarl's decode layout); MKL on [m, k] x [n, k]^T alone is up to 1.8x slower at m = 4..8 than
+    at m = 16 on this machine (measured)."""
     import torch
     import torch.nn.functional as F
     from bench_gemm_floor import linears
     from timing import best_wall_and_cpu
 
+    onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
     g = torch.Generator().manual_seed(0)
     seconds = {}
     for name, n, k in linears(args):
@@ -252,17 +264,21 @@ def decode_seconds(args, reps: int = 3) -> dict:
         wt = w.t().contiguous()  # the same product with the weight stored input-major
         for m in range(1, args.prompts * args.samples + 1):
             x = torch.randn(m, k, generator=g)
-            F.linear(x, w), x @ wt  # warm-up
-            seconds[(name, m)] = min(best_wall_and_cpu(lambda: F.linear(x, w), reps)[0],
-                                     best_wall_and_cpu(lambda: x @ wt, reps)[0])
+            ways = [lambda: F.linear(x, w), lambda: torch.mm(w, x.t()).t(), lambda: x @ wt]
+            if onednn is not None:
+                ways.append(lambda: onednn(x, wt.t(), None, "none", [], ""))
+            for fn in ways:
+                fn()  # warm-up
+            seconds[(name, m)] = min(best_wall_and_cpu(fn, reps)[0] for fn in ways)
     return seconds
 
 
 def decode_step_floor(args, seconds: dict, response_lens: list[int]) -> float:
     """Seconds of the GEMMs of one rollout's decode steps when every step runs only its live rows:
     step t >= 1 (token 0 comes from the prefill) has m_t = #responses longer than t rows, and costs
-    each linear's measured time at m_t rows (decode_seconds: the better of two layouts). At a fixed
-    batch the long tail's steps run 1-2 rows, where the LM head's GEMM is bound by reading its weight (V x hidden), not by FLOPs:
+    each linear's measured time at m_t rows (decode_seconds: the fastest of four ways). At a fixed
+    batch the long tail's steps run 1-2 rows, where the LM head's GEMM is bound by reading its
+    weight (V x hidden), not by FLOPs:
     this is the least any engine spends decoding these lengths without more prompts to batch."""
     from bench_gemm_floor import linears
 
@@ -482,7 +498,7 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s
         gen = sum(v / 1e9 / rates[key] for key, v in flops.items() if key[1] == "decode fwd")
         print(f"\nGEMM floor of the necessary work (megarl's mean prompt {mg['prompt_len']:.0f} + response "
               f"{mg['response_len']:.0f} tokens; prefill once per prompt, no padding, no prompt logits): "
-              f"{sum(flops.values()) / 1e9:.0f} GFLOP at fp32 F.linear's best rates on these shapes = "
+              f"{sum(flops.values()) / 1e9:.0f} GFLOP at the fastest fp32 GEMM's best rates on these shapes (MKL or oneDNN) = "
               f"{floor:.2f} CPU-s per step (generation {gen:.2f}); megarl's mean CPU-s per step / floor "
               f"(both at the steps' mean lengths: GEMM work is linear in them) = {mg['cpu_mean'] / floor:.2f}x "
               f"(target <= 1.25x)"
@@ -496,7 +512,8 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s
                           for name, n, k in linears(args) if name != "lm head")
             steps = statistics.mean(decode_step_floor(args, decode_s, lens) for lens in mg["response_lens"]) + prefill
             print(f"\nGeneration at this batch's own decode steps (step t runs only its live rows, each linear "
-                  f"at its measured time for that many rows, the better of two weight layouts; the long tail's 1-2-row steps are bound by "
+                  f"at its measured time for that many rows, the fastest of four ways: MKL or oneDNN, either "
+                  f"weight memory; the long tail's 1-2-row steps are bound by "
                   f"reading the LM head's weight, which the FLOP floor above does not count): {steps:.2f} "
                   f"CPU-s per step; megarl's generate phase {mg['phases']['generate']:.2f} s (median) = "
                   f"{mg['phases']['generate'] / steps:.2f}x. The whole step against the floor with this "

@@ -114,4 +114,3 @@ def test_packed_rows_are_read_once_per_micro_batch_and_give_each_row_its_positio
     assert again[0] is offsets and again[1] is positions  # cached on the micro-batch's params
     packed.cu_seqlens_q = cu.flip(0).cumsum(0).to(torch.int32)  # another micro-batch's offsets
     assert _packed_rows(packed, torch.device("cpu"))[0] == packed.cu_seqlens_q.tolist()
-

@@ -79,7 +79,7 @@ def _body(rank, world_size):
             events = prof.key_averages(group_by_input_shape=True)
             onednn_calls.append(sum(ev.count for ev in events if ev.key == "mkldnn::_linear_pointwise"))
             head_mkl_calls.append(sum(ev.count for ev in events if ev.key == "aten::mm" and ev.input_shapes
-                                      and ev.input_shapes[0][:1] and ev.input_shapes[0][0] >= VOCAB
+                                      and len(ev.input_shapes[0]) == 2 and ev.input_shapes[0][0] >= VOCAB
                                       and ev.input_shapes[0][1] == mc.hidden_size))
         out[tied] = dict(linears=len(linears), routed=routed, routed_inside=routed_inside, routed_after=routed_after,
                          onednn_calls=onednn_calls, head_mkl_calls=head_mkl_calls,

@@ -153,6 +153,8 @@ def test_no_logits_saved_for_backward_and_chunk_bounded(monkeypatch):
         return z
 
     monkeypatch.setattr(fused_head, "_chunk_logits", chunk_logits)
+    buffers, real_workspace = [], fused_head._workspace
+    monkeypatch.setattr(fused_head, "_workspace", lambda *a: buffers.append(a[1]) or real_workspace(*a))
     with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s.numel()) or s, lambda s: s):
         lp, ent = linear_logprobs_and_entropy(x, w, t, chunk_size=chunk)
     (lp.sum() + ent.sum()).backward()
@@ -162,8 +164,38 @@ def test_no_logits_saved_for_backward_and_chunk_bounded(monkeypatch):
     cols = chunk * n // T // 64 * 64  # 512 columns: about as many logits as a forward chunk, 64-aligned
     assert [v for _, v in backward] == [cols] * (n // cols) + [n % cols] and {c for c, _ in backward} == {T}
     assert max(c * v for c, v in shapes) <= chunk * n
-    # on a CPU each pass writes all its chunks into one buffer (no fresh, first-touched memory per chunk)
-    assert len(set(storages[:len(forward)])) == 1 and len(set(storages[len(forward):])) == 1
+    # on a CPU each pass writes all its chunks into one buffer (no fresh, first-touched memory per
+    # chunk), and the backward takes over the forward's: one buffer allocated for both
+    assert len(set(storages)) == 1 and buffers == [chunk * n]
+
+
+def test_backward_needing_more_than_a_forward_chunk_gets_its_own_buffer(monkeypatch):
+    """Many tokens per forward chunk's elements: the backward's column slices stop at _MIN_COLS,
+    so all tokens x 256 columns outgrow the forward's buffer; it allocates one and the grads still
+    match float64."""
+    T, h, n, chunk = 96, 16, 600, 2  # backward: 96 x 256 > a forward chunk's 2 x 600
+    x, w, t = make(T, h, n, seed=9, ignore_frac=0.0)
+    x.requires_grad_(), w.requires_grad_()
+    storages, real = [], fused_head._chunk_logits
+
+    def chunk_logits(xc, ww, fp, *workspace):
+        z = real(xc, ww, fp, *workspace)
+        storages.append((xc.shape[0], z.untyped_storage().data_ptr()))
+        return z
+
+    monkeypatch.setattr(fused_head, "_chunk_logits", chunk_logits)
+    buffers, real_workspace = [], fused_head._workspace
+    monkeypatch.setattr(fused_head, "_workspace", lambda *a: buffers.append(a[1]) or real_workspace(*a))
+    lp, ent = linear_logprobs_and_entropy(x, w, t, chunk_size=chunk)
+    backprop_mix(lp, ent)
+    assert buffers == [chunk * n, T * 256]
+    forward = {p for c, p in storages if c == chunk}
+    backward = {p for c, p in storages if c == T}
+    assert len(forward) == 1 and len(backward) == 1 and forward != backward
+    x64, w64, lp64, ent64 = reference(x, w, t)
+    backprop_mix(lp64, ent64)
+    torch.testing.assert_close(x.grad.double(), x64.grad, **GRAD_TOL)
+    torch.testing.assert_close(w.grad.double(), w64.grad, **GRAD_TOL)
 
 
 def test_one_chunk_keeps_its_logits_for_the_backward(monkeypatch):

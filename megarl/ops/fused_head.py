@@ -110,8 +110,9 @@ def head_logprobs(head, labels, *, temperature=1.0, with_entropy=False, ignore_i
 def _workspace(x, elems: int):
     """One flat buffer for all the logit chunks of a call on a CPU, or None (fresh chunks). A fresh
     CPU tensor of chunk size (tens to hundreds of MB) is mapped anew and first-touched page by
-    page: at V = 152k that took ~20% of the chunk GEMM's time (docs/benchmarks.md). On a GPU the
-    caching allocator already hands the same memory back."""
+    page: at V = 152k that took ~20% of the chunk GEMM's time (docs/benchmarks.md). A forward
+    with a backward to come hands its buffer on to it (one chunk's logits, held until then). On a
+    GPU the caching allocator already hands the same memory back."""
     return torch.empty(elems, dtype=x.dtype) if x.device.type == "cpu" and elems > 0 else None
 
 
@@ -194,6 +195,8 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                 z = None  # dropped: the backward recomputes it
         lp, ent, lse = _reduce_and_finalize(m, s, mom, zt, t, padded, t == ignore_index, group)
         ctx.kept_logits = z
+        # a backward to come reuses the buffer (already mapped and touched) for its own chunks
+        ctx.workspace = workspace if keep_one and not keep else None
         ctx.save_for_backward(x, w, t, lse, ent)
         ctx.consts = (group, vocab_start, first_pad, inv_temp, ignore_index, step, reduce_grad)
         ctx.set_materialize_grads(False)
@@ -203,6 +206,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_lp, g_ent):
         x, w, t, lse, ent = ctx.saved_tensors
+        handed, ctx.workspace = ctx.workspace, None  # the forward's logits buffer (CPU), or None
         group, vocab_start, first_pad, inv_temp, ignore_index, step, reduce_grad = ctx.consts
         need_x, need_w = ctx.needs_input_grad[:2]
         if not (need_x or need_w) or (g_lp is None and g_ent is None):
@@ -226,7 +230,13 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         gx = None  # [N, h], fp32 while accumulating
         gw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_w else None  # [n, h]
         xg, wg = _gemm_operands(x, w)  # fp32 copies where half GEMMs run in fp32 on this CPU
-        workspace = _workspace(xg, N * min(n, cols)) if kept is None else None
+        if kept is not None:
+            workspace = None
+        elif handed is None or handed.numel() < N * min(n, cols):
+            workspace = _workspace(xg, N * min(n, cols))
+        else:
+            workspace = handed  # the forward's buffer (N * cols <= its chunk but past _MIN_COLS)
+        del handed
         for c0 in range(0, n, cols):
             c1 = min(n, c0 + cols)
             wc = wg[c0:c1]                                                     # [vc, h]
