@@ -220,8 +220,9 @@ def gemm_rates(args, reps: int = 3) -> dict:
     (what `F.linear` runs, megarl's and TRL's CPU path) writing into an output allocated once, or
     oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`, megarl's forward-only CPU
     linears; not for grad(weight), which would need dy^T copied; bench_gemm_floor.py compares
-    them). A fresh output per call is not counted: at the
-    LM head's shape (4,096 x 151,936 fp32, 2.5 GB) its page faults alone took ~10% of the GEMM."""
+    them). A fresh output per call is not counted: at the LM head's shape (4,096 x 151,936 fp32,
+    2.5 GB) mapping and first-touching it made the forward GEMM take 1.3x as long (73 against 95
+    GFLOP/s, docs/benchmarks.md)."""
     import torch
     from bench_gemm_floor import linears, operands
     from timing import best_wall_and_cpu
@@ -498,7 +499,8 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s
         gen = sum(v / 1e9 / rates[key] for key, v in flops.items() if key[1] == "decode fwd")
         print(f"\nGEMM floor of the necessary work (megarl's mean prompt {mg['prompt_len']:.0f} + response "
               f"{mg['response_len']:.0f} tokens; prefill once per prompt, no padding, no prompt logits): "
-              f"{sum(flops.values()) / 1e9:.0f} GFLOP at the fastest fp32 GEMM's best rates on these shapes (MKL or oneDNN) = "
+              f"{sum(flops.values()) / 1e9:.0f} GFLOP at the fastest fp32 GEMM's best rates on these shapes "
+              f"(MKL or oneDNN) = "
               f"{floor:.2f} CPU-s per step (generation {gen:.2f}); megarl's mean CPU-s per step / floor "
               f"(both at the steps' mean lengths: GEMM work is linear in them) = {mg['cpu_mean'] / floor:.2f}x "
               f"(target <= 1.25x)"
