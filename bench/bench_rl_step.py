@@ -224,7 +224,7 @@ def gemm_rates(args, reps: int = 3) -> dict:
     2.5 GB) mapping and first-touching it made the forward GEMM take 1.3x as long (73 against 95
     GFLOP/s, docs/benchmarks.md)."""
     import torch
-    from bench_gemm_floor import linears, operands
+    from bench_gemm_floor import impls, linears, operands
     from timing import best_wall_and_cpu
 
     g = torch.Generator().manual_seed(0)
@@ -233,14 +233,15 @@ def gemm_rates(args, reps: int = 3) -> dict:
     for name, n, k in linears(args):
         for kind in ("fwd", "dgrad", "wgrad", "decode fwd"):
             x, w = operands(kind, rows if kind == "decode fwd" else 4096, n, k, torch.float32, g)
-            out = torch.mm(x, w.t())  # warm-up; the output memory every MKL rep reuses
-            candidates = [lambda out=out: torch.mm(x, w.t(), out=out)]
-            if hasattr(torch.ops.mkldnn, "_linear_pointwise") and kind != "wgrad":  # wgrad: dy^T is a copy
-                candidates.append(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
-                candidates[-1]()  # warm-up
-            best = min(best_wall_and_cpu(fn, reps)[0] for fn in candidates)
+            libs = impls()  # fresh per GEMM: mm-fp32-out's output (2.5 GB for the head) goes with it
+            candidates = [libs["mm-fp32-out"][1]]
+            if "onednn-fp32" in libs and kind != "wgrad":  # wgrad: dy^T is a copy
+                candidates.append(libs["onednn-fp32"][1])
+            for fn in candidates:
+                fn(x, w)  # warm-up (mm-fp32-out: allocates the output every rep reuses)
+            best = min(best_wall_and_cpu(lambda: fn(x, w), reps)[0] for fn in candidates)
             rates[(name, kind)] = 2 * x.shape[0] * w.shape[0] * x.shape[1] / best / 1e9
-            del out, candidates  # the head's output is 2.5 GB at 4,096 tokens
+            del libs, candidates
     return rates
 
 

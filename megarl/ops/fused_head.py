@@ -230,12 +230,14 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         gx = None  # [N, h], fp32 while accumulating
         gw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_w else None  # [n, h]
         xg, wg = _gemm_operands(x, w)  # fp32 copies where half GEMMs run in fp32 on this CPU
+        # the forward's buffer holds a slice unless _MIN_COLS raised cols past step * n / N
+        elems = N * min(n, cols)
         if kept is not None:
             workspace = None
-        elif handed is None or handed.numel() < N * min(n, cols):
-            workspace = _workspace(xg, N * min(n, cols))
+        elif handed is not None and handed.numel() >= elems:
+            workspace = handed
         else:
-            workspace = handed  # the forward's buffer (N * cols <= its chunk but past _MIN_COLS)
+            workspace = _workspace(xg, elems)
         del handed
         for c0 in range(0, n, cols):
             c1 = min(n, c0 + cols)
