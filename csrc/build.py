@@ -1,9 +1,11 @@
-"""Describe the megarl._C CUDA extension for setup.py, or nothing when it cannot be built.
+"""Describe megarl's compiled extensions for setup.py; each is left out when it cannot be built.
 
-get_extensions() -> (ext_modules, cmdclass) is ([], {}) unless torch is a CUDA build *and* a
-CUDA toolkit (nvcc) is found; it never raises, so a CPU machine installs megarl and runs the
-torch path. The .cu files hold the kernels, bindings.cpp the Python bindings (g++ only);
-host_check.cpp is the CPU test harness and is not part of the extension.
+get_extensions() -> (ext_modules, cmdclass), and never raises: megarl._cpu (the CPU decode
+attention) needs a C++ compiler and is optional (a failed compile is a warning); megarl._C (the
+CUDA kernels) needs a CUDA build of torch *and* a CUDA toolkit (nvcc). Without either, megarl
+installs and runs the torch path. The .cu files hold the CUDA kernels, bindings.cpp their Python
+bindings (g++ only); host_check.cpp is the CPU test harness of the CUDA kernels' arithmetic and
+is part of neither extension.
 """
 import glob
 import os
@@ -40,27 +42,53 @@ def kernel_sources():
     return sorted(glob.glob(os.path.join(HERE, "*.cu")))
 
 
+def cpu_extension():
+    """megarl._cpu (cpu_decode_attention.cpp: decode attention over the KV cache), or None
+    without a C++ compiler. Optional: a failed compile leaves megarl on torch's SDPA."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return None
+    from torch.utils.cpp_extension import CppExtension
+
+    ext = CppExtension(name="megarl._cpu", sources=[os.path.relpath(os.path.join(HERE, "cpu_decode_attention.cpp"), ROOT)],
+                       extra_compile_args=["-O3", "-fopenmp-simd"])
+    ext.optional = True  # setuptools' build_ext warns and goes on when an optional extension fails
+    return ext
+
+
+def cuda_extension():
+    """megarl._C (the .cu kernels + bindings.cpp), or None without a CUDA torch and toolkit."""
+    import torch
+
+    if not torch.version.cuda:
+        return None
+    home = cuda_home()
+    if home is None:
+        return None
+    os.environ.setdefault("CUDA_HOME", home)  # read by torch.utils.cpp_extension on import
+    from torch.utils.cpp_extension import CUDAExtension
+
+    sources = [os.path.relpath(p, ROOT) for p in kernel_sources()]
+    sources.append(os.path.relpath(os.path.join(HERE, "bindings.cpp"), ROOT))
+    return CUDAExtension(
+        name="megarl._C",
+        sources=sources,
+        include_dirs=[HERE],
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
+    )
+
+
 def get_extensions():
-    try:
-        import torch
-
-        if not torch.version.cuda:
-            return [], {}
-        home = cuda_home()
-        if home is None:
-            return [], {}
-        os.environ.setdefault("CUDA_HOME", home)  # read by torch.utils.cpp_extension on import
-        from torch.utils.cpp_extension import BuildExtension, CUDAExtension
-
-        sources = [os.path.relpath(p, ROOT) for p in kernel_sources()]
-        sources.append(os.path.relpath(os.path.join(HERE, "bindings.cpp"), ROOT))
-        ext = CUDAExtension(
-            name="megarl._C",
-            sources=sources,
-            include_dirs=[HERE],
-            extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
-        )
-        return [ext], {"build_ext": BuildExtension}
-    except Exception as exc:  # never fail the install: the torch path is always there
-        print(f"megarl: not building the CUDA kernels ({exc!r})", file=sys.stderr)
+    exts = []
+    for make in (cpu_extension, cuda_extension):
+        try:
+            ext = make()
+        except Exception as exc:  # never fail the install: the torch path is always there
+            print(f"megarl: not building {make.__name__} ({exc!r})", file=sys.stderr)
+            ext = None
+        if ext is not None:
+            exts.append(ext)
+    if not exts:
         return [], {}
+    from torch.utils.cpp_extension import BuildExtension
+
+    return exts, {"build_ext": BuildExtension}

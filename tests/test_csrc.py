@@ -6,7 +6,9 @@
    into csrc/host_check.cpp, which replays each CUDA block's decomposition (lanes, vector tails,
    butterfly merges, tiles and the chunk-map scan), and is checked here against float64
    references through ctypes.
-3. csrc/build.py describes no extension on a CPU torch and never raises.
+3. csrc/build.py describes the optional CPU extension (megarl._cpu) wherever a C++ compiler is,
+   the CUDA one only with a CUDA torch and toolkit, and never raises. The CPU extension's
+   kernel is tested in tests/test_decode_attention.py.
 """
 import ctypes
 import hashlib
@@ -77,12 +79,19 @@ def test_bindings_compile():
     open(stamp, "w").close()
 
 
-def test_build_py_describes_nothing_on_cpu_torch():
+def test_build_py_describes_the_cpu_extension_and_cuda_only_with_a_toolkit(monkeypatch):
     ext_modules, cmdclass = build.get_extensions()  # must not raise anywhere
-    if not torch.version.cuda:
-        assert (ext_modules, cmdclass) == ([], {})
-    else:
-        assert len(ext_modules) == (0 if build.cuda_home() is None else 1)
+    names = sorted(e.name for e in ext_modules)
+    want = []
+    if shutil.which(os.environ.get("CXX", "c++")):
+        want.append("megarl._cpu")
+    if torch.version.cuda and build.cuda_home() is not None:
+        want.append("megarl._C")
+    assert names == sorted(want)
+    assert all(e.optional for e in ext_modules if e.name == "megarl._cpu")  # a failed compile never fails the install
+    assert (cmdclass != {}) == bool(ext_modules)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")  # no compiler: the CPU extension is left out
+    assert "megarl._cpu" not in [e.name for e in build.get_extensions()[0]]
 
 
 # ----------------------------------------------------------------------------- host harness

@@ -31,7 +31,7 @@ FAILs, else 0 (on a CPU machine the GPU rows are SKIPPED, which is not a failure
   versions: [{name, version (null: absent), supported (the range, words), status, note}]
             status: ok | unsupported | missing (required, absent) | absent (optional) | not used
   devices:  [{index, name, memory_bytes, capability "9.0", fp8 (bool), mxfp8 (bool)}]
-  csrc:     {built (bool), detail}
+  csrc:     {built (bool), detail, cpu: {built (bool), detail}}
   checks:   [{name, status PASS|FAIL|SKIPPED, reason, seconds, details {}}]
   summary:  {pass, fail, skipped, problems (versions missing or unsupported)}
 """
@@ -189,15 +189,22 @@ def device_rows(devices: list[DeviceInfo]) -> list[dict]:
 
 
 def csrc_status(find_spec: Callable = importlib.util.find_spec) -> dict:
-    """Whether megarl._C (csrc/) is built into this install; loading it needs a CUDA device too."""
-    try:
-        spec = find_spec("megarl._C")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None:
-        return {"built": True, "detail": f"megarl._C at {spec.origin}"}
-    return {"built": False, "detail": "megarl._C is not built: setup.py compiles csrc/ only with a CUDA toolkit and "
-                                      "a CUDA torch (pip install --no-build-isolation -e '.[gpu]'); ops use torch"}
+    """Whether megarl._C (csrc/'s CUDA kernels) is built into this install, loading it needs a CUDA
+    device too; and under "cpu", whether megarl._cpu (the CPU decode-attention kernel) is."""
+    def spec_of(name):
+        try:
+            return find_spec(name)
+        except (ImportError, ValueError):
+            return None
+
+    spec, cpu = spec_of("megarl._C"), spec_of("megarl._cpu")
+    out = ({"built": True, "detail": f"megarl._C at {spec.origin}"} if spec is not None else
+           {"built": False, "detail": "megarl._C is not built: setup.py compiles csrc/ only with a CUDA toolkit and "
+                                      "a CUDA torch (pip install --no-build-isolation -e '.[gpu]'); ops use torch"})
+    out["cpu"] = ({"built": True, "detail": f"megarl._cpu at {cpu.origin}"} if cpu is not None else
+                  {"built": False, "detail": "megarl._cpu is not built (no C++ compiler at install, or its compile "
+                                             "failed: see pip's output); CPU generation uses torch's SDPA"})
+    return out
 
 
 # ------------------------------------------------------------------------------------ GPU checks
@@ -418,7 +425,11 @@ def format_report(report: dict) -> str:
     if not report["devices"]:
         lines.append(f"  none: {report['no_device']}")
     c = report["csrc"]
-    lines += [f"csrc extension: {'built' if c['built'] else 'not built'} ({c['detail']})", "", "GPU checks:"]
+    lines.append(f"csrc extension: {'built' if c['built'] else 'not built'} ({c['detail']})")
+    cpu = c.get("cpu") or {}
+    if cpu:
+        lines.append(f"CPU decode attention: {'built' if cpu['built'] else 'not built'} ({cpu['detail']})")
+    lines += ["", "GPU checks:"]
     for ch in report["checks"]:
         took = f" [{ch['seconds']:.0f} s]" if ch["seconds"] >= 1 else ""
         lines.append(f"  {ch['name']:<15} {ch['status']:<8} {ch['reason']}{took}")

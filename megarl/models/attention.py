@@ -9,7 +9,9 @@ Why it exists (measured, docs/benchmarks.md):
 - its RoPE (`_apply_rotary_pos_emb_bshd`) runs a `cat` for rotate-half and another to re-attach
   an (empty) pass-through part, for q and k in every layer;
 - its local `DotProductAttention` repeats KV heads for GQA and runs baddbmm + masked softmax +
-  bmm unfused.
+  bmm unfused;
+- on a CPU, SDPA of one query token over the cache reads it at 6-10 GB/s; decode steps there go
+  to megarl._cpu's kernel (`decode_attention.py`) when it is built.
 
 The parameters, their names and the qkv/proj layers are megatron-core's (`linear_qkv`,
 `linear_proj`, q/k norms come from the spec), so checkpoints, TP sharding, sequence parallel
@@ -28,6 +30,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from megarl.models.decode_attention import decode_attention
 
 
 class _Rope(torch.autograd.Function):
@@ -217,8 +221,11 @@ def self_attention_class():
             keys, values = k_cache[b0: b0 + b, :, :end], v_cache[b0: b0 + b, :, :end]  # [b, g, sk, d]
             if mask is None and sq > 1 and start > 0:  # chunked prefill: causal, bottom-right aligned
                 mask = torch.ones(sq, end, dtype=torch.bool, device=query.device).triu_(start + 1)
-            out = sdpa(query.permute(1, 2, 0, 3), keys, values, mask, causal=start == 0 and sq > 1,
-                       scale=self._softmax_scale(d))
+            if sq == 1:  # a decode step: megarl._cpu's kernel on a CPU, SDPA elsewhere
+                out = decode_attention(query.permute(1, 2, 0, 3), keys, values, mask, scale=self._softmax_scale(d))
+            else:
+                out = sdpa(query.permute(1, 2, 0, 3), keys, values, mask, causal=start == 0 and sq > 1,
+                           scale=self._softmax_scale(d))
             return out.permute(2, 0, 1, 3).reshape(sq, b, n * d)
 
     return MegarlSelfAttention

@@ -1,0 +1,228 @@
+// megarl._cpu: attention of one new token per row over a KV cache, on a CPU.
+//
+// A decode step asks, for every (row, head), for softmax(q . K^T * scale) . V over the row's
+// cached positions: two matrix-vector products on a [S, d] block of 10-100 KB. torch's SDPA on
+// a CPU runs each block as separate small GEMM calls and reads the cache at 6-10 GB/s; here one
+// pass per (row, KV head) reads each cached key and value once for all the query heads that
+// share it (grouped-query attention), with fp32 accumulation, and the exponentials vectorise.
+//
+// Registered as torch.ops.megarl_cpu.decode_attention (no autograd: generation only). The
+// Python module init exists only so that `import megarl._cpu` loads the library.
+#include <Python.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 (a score minus its row's max), within ~2 ulp of expf; plain arithmetic so
+// that the loop around it vectorises: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-7
+// Taylor polynomial (relative error < 1e-8 there), times 2^n built in the exponent bits.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38: still a normal float
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float n = (x * 1.44269504088896341f + shifter) - shifter;
+  float r = x - n * 0.693145751953125f;  // ln2 in two parts: r stays exact
+  r = r - n * 1.42860682030941723212e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// One (row, KV head): r query heads [r, d] (fp32, contiguous) against S cached positions,
+// one head at a time (its keys and values stay in L1/L2 for the next head of the group).
+// D > 0 is d known at compile time (the loops over d unroll and the output stays in
+// registers); D == 0 reads d at run time. scores: [S] workspace; out: [r, d] fp32. Masked
+// positions (masked[s * mask_stride] true) are never read and get exactly zero weight; a row
+// whose positions are all masked gets zeros, as torch's CPU SDPA gives.
+template <typename T>
+inline __attribute__((always_inline)) void prefetch_row(const T* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
+}
+
+template <int D, typename T>
+inline __attribute__((always_inline)) void attend_block(const float* q, const T* k, const T* k_next, const T* v,
+                                                        int64_t s_stride,
+                                                        const bool* masked, int64_t mask_stride, int64_t S,
+                                                        int64_t d_runtime, int64_t r, float scale, float* scores,
+                                                        float* out) {
+  const int64_t d = D > 0 ? D : d_runtime;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < r; ++j) {
+    const float* qj = q + j * d;
+    float m = neg_inf;
+    for (int64_t s = 0; s < S; ++s) {
+      if (masked != nullptr && masked[s * mask_stride]) {
+        scores[s] = neg_inf;
+        continue;
+      }
+      const T* ks = k + s * s_stride;
+      if (j == 0) prefetch_row(v + s * s_stride, d);  // read by the weighted sum below
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < d; ++i) acc += qj[i] * to_float(ks[i]);
+      scores[s] = acc * scale;
+      m = scores[s] > m ? scores[s] : m;
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t s = 0; s < S; ++s) {
+      float p = scores[s] == neg_inf ? 0.0f : exp_nonpositive(scores[s] - m);
+      scores[s] = p;
+      sum += p;
+    }
+    float* oj = out + j * d;
+    if constexpr (D > 0) {
+      float acc[D] = {};
+      for (int64_t s = 0; s < S; ++s) {
+        const T* vs = v + s * s_stride;
+        if (k_next != nullptr && j == r - 1) prefetch_row(k_next + s * s_stride, d);  // the next block's keys
+        if (masked != nullptr && masked[s * mask_stride]) continue;  // never read: 0 * NaN would be NaN
+        const float p = scores[s];
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) acc[i] += p * to_float(vs[i]);
+      }
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // every position masked: zeros, as SDPA
+      for (int64_t i = 0; i < D; ++i) oj[i] = acc[i] * inv;
+    } else {
+      std::fill(oj, oj + d, 0.0f);
+      for (int64_t s = 0; s < S; ++s) {
+        if (masked != nullptr && masked[s * mask_stride]) continue;
+        const T* vs = v + s * s_stride;
+        const float p = scores[s];
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) oj[i] += p * to_float(vs[i]);
+      }
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      for (int64_t i = 0; i < d; ++i) oj[i] *= inv;
+    }
+  }
+}
+
+// One clone per instruction set (AVX-512, AVX2 + FMA, baseline), picked once at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MEGARL_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define MEGARL_CLONES
+#endif
+
+template <typename T>
+inline __attribute__((always_inline)) void attend_any(const float* q, const T* k, const T* k_next, const T* v, int64_t s_stride,
+                                                      const bool* masked, int64_t mask_stride, int64_t S, int64_t d,
+                                                      int64_t r, float scale, float* scores, float* out) {
+  switch (d) {
+    case 64: return attend_block<64>(q, k, k_next, v, s_stride, masked, mask_stride, S, d, r, scale, scores, out);
+    case 128: return attend_block<128>(q, k, k_next, v, s_stride, masked, mask_stride, S, d, r, scale, scores, out);
+    default: return attend_block<0>(q, k, k_next, v, s_stride, masked, mask_stride, S, d, r, scale, scores, out);
+  }
+}
+
+MEGARL_CLONES void attend_f32(const float* q, const float* k, const float* k_next, const float* v, int64_t s_stride, const bool* masked,
+                              int64_t mask_stride, int64_t S, int64_t d, int64_t r, float scale, float* scores,
+                              float* out) {
+  attend_any(q, k, k_next, v, s_stride, masked, mask_stride, S, d, r, scale, scores, out);
+}
+
+MEGARL_CLONES void attend_bf16(const float* q, const c10::BFloat16* k, const c10::BFloat16* k_next,
+                               const c10::BFloat16* v, int64_t s_stride,
+                               const bool* masked, int64_t mask_stride, int64_t S, int64_t d, int64_t r, float scale,
+                               float* scores, float* out) {
+  attend_any(q, k, k_next, v, s_stride, masked, mask_stride, S, d, r, scale, scores, out);
+}
+
+template <typename T, typename F>
+at::Tensor run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+               const c10::optional<at::Tensor>& masked, double scale, F attend) {
+  const int64_t B = query.size(0), H = query.size(1), d = query.size(2);
+  const int64_t g = key.size(1), S = key.size(2), r = H / g;
+  at::Tensor out = at::empty({B, H, d}, query.options());
+  const T* qp = query.data_ptr<T>();
+  const T* kp = key.data_ptr<T>();
+  const T* vp = value.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const bool* mp = masked.has_value() ? masked->data_ptr<bool>() : nullptr;
+  const int64_t mb = masked.has_value() ? masked->stride(0) : 0, ms = masked.has_value() ? masked->stride(1) : 0;
+  const int64_t qb = query.stride(0), qh = query.stride(1);
+  const int64_t kb = key.stride(0), kg = key.stride(1), vb = value.stride(0), vg = value.stride(1);
+  const int64_t s_stride = key.stride(2);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * g, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(r * d), of(r * d), scores(S);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / g, h = idx % g;
+      for (int64_t j = 0; j < r; ++j)
+        for (int64_t i = 0; i < d; ++i) qf[j * d + i] = to_float(qp[b * qb + (h * r + j) * qh + i]);
+      const int64_t nb = (idx + 1) / g, nh = (idx + 1) % g;
+      const T* k_next = idx + 1 < end ? kp + nb * kb + nh * kg : nullptr;
+      attend(qf.data(), kp + b * kb + h * kg, k_next, vp + b * vb + h * vg, s_stride, mp == nullptr ? nullptr : mp + b * mb,
+             ms, S, d, r, sc, scores.data(), of.data());
+      T* ob = op + (b * H + h * r) * d;
+      for (int64_t i = 0; i < r * d; ++i) ob[i] = static_cast<T>(of[i]);
+    }
+  });
+  return out;
+}
+
+// query [B, H, d]; key, value [B, g, S, d] (any strides but unit stride over d, equal strides
+// for key and value over S); masked: None or bool [B, S], true = this position is not attended.
+// -> [B, H, d] in query's dtype. Head h reads KV head h / (H / g), as SDPA's enable_gqa does.
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const c10::optional<at::Tensor>& masked, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(),
+              "megarl_cpu.decode_attention: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 4 && value.dim() == 4, "megarl_cpu.decode_attention: query [B, H, d], "
+              "key/value [B, g, S, d]");
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == query.size(0) && key.size(3) == query.size(2) &&
+                  key.size(1) > 0 && query.size(1) % key.size(1) == 0,
+              "megarl_cpu.decode_attention: shapes query ", query.sizes(), " key ", key.sizes(), " value ",
+              value.sizes());
+  TORCH_CHECK(query.stride(2) == 1 && key.stride(3) == 1 && value.stride(3) == 1 && key.stride(2) == value.stride(2),
+              "megarl_cpu.decode_attention: unit stride over d and equal key/value strides over S required");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
+              "megarl_cpu.decode_attention: query, key and value must share a dtype");
+  if (masked.has_value()) {
+    TORCH_CHECK(masked->scalar_type() == at::kBool && masked->dim() == 2 && masked->size(0) == key.size(0) &&
+                    masked->size(1) == key.size(2),
+                "megarl_cpu.decode_attention: masked must be bool [B, S]");
+  }
+  switch (query.scalar_type()) {
+    case at::kFloat: return run<float>(query, key, value, masked, scale, attend_f32);
+    case at::kBFloat16: return run<c10::BFloat16>(query, key, value, masked, scale, attend_bf16);
+    default: TORCH_CHECK(false, "megarl_cpu.decode_attention: float32 or bfloat16 only, got ", query.scalar_type());
+  }
+  return at::Tensor();
+}
+
+}  // namespace
+
+TORCH_LIBRARY(megarl_cpu, m) {
+  m.def("decode_attention(Tensor query, Tensor key, Tensor value, Tensor? masked, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(megarl_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+
+static struct PyModuleDef megarl_cpu_module = {PyModuleDef_HEAD_INIT, "_cpu", nullptr, -1, nullptr};
+
+PyMODINIT_FUNC PyInit__cpu(void) { return PyModule_Create(&megarl_cpu_module); }

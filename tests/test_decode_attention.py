@@ -1,0 +1,178 @@
+"""The CPU decode-attention kernel (csrc/cpu_decode_attention.cpp, megarl._cpu) behind
+models/decode_attention.py, against a float64 softmax(q K^T * scale) V written here, on fresh
+random caches: grouped heads, d of 64 / 128 (compiled) and 40 (run-time d), strided cache views,
+left padding and scattered masks, bf16. Then the rollout engine with it against the engine on
+SDPA, and the fallbacks (autograd, MEGARL_DISABLE_KERNELS) staying on SDPA.
+"""
+import platform
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_helpers import run_distributed
+
+
+def _kernel():
+    from megarl.models.decode_attention import cpu_kernel
+
+    return cpu_kernel()
+
+
+needs_kernel = pytest.mark.skipif(_kernel() is None, reason="megarl._cpu is not built here (no C++ compiler)")
+
+
+def _reference(q, k, v, masked, scale):
+    """float64 attention: q [b, n, d], k/v [b, g, S, d], masked [b, S] True = not attended -> [b, n, d]."""
+    b, n, d = q.shape
+    r = n // k.shape[1]
+    k, v = k.double().repeat_interleave(r, 1), v.double().repeat_interleave(r, 1)  # [b, n, S, d]
+    scores = torch.einsum("bnd,bnsd->bns", q.double(), k) * scale
+    if masked is not None:
+        scores = scores.masked_fill(masked[:, None, :], float("-inf"))
+    return torch.einsum("bns,bnsd->bnd", torch.softmax(scores, -1), v)
+
+
+def _case(b, n, g, d, s_max, s, mask, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(b, g, s_max, d, generator=gen)  # the engine's [B, g, S, d] cache
+    v_cache = torch.randn(b, g, s_max, d, generator=gen)
+    q = torch.randn(1, b, n, d, generator=gen).permute(1, 2, 0, 3)  # [b, n, 1, d] view, as attention.py has it
+    masked = None
+    if mask == "left":  # left padding of a few rows, as the engine's ragged prompts give
+        pad = torch.randint(0, s - 1, (b,), generator=gen)
+        masked = torch.arange(s_max)[None, :] < pad[:, None]
+    elif mask == "scattered":
+        masked = torch.rand(b, s_max, generator=gen) < 0.3
+        masked[:, s - 1] = False  # every row keeps a position
+    return q, k_cache[:, :, :s], v_cache[:, :, :s], None if masked is None else masked[:, :s]
+
+
+def test_the_kernel_is_built_wherever_a_compiler_is():
+    if shutil.which("c++") is None or platform.system() != "Linux":
+        pytest.skip("no C++ compiler: setup.py leaves megarl._cpu out and decode runs SDPA")
+    assert _kernel() is not None, "pip install -e . should have built megarl._cpu (csrc/build.py cpu_extension)"
+
+
+@needs_kernel
+@pytest.mark.parametrize("b,n,g,d,s_max,s,mask", [
+    (6, 4, 4, 64, 50, 37, "left"),  # one KV head per query head, compiled d = 64
+    (5, 8, 2, 128, 33, 33, "scattered"),  # 4 query heads per KV head, compiled d = 128, the whole cache
+    (3, 6, 3, 40, 70, 1, None),  # run-time d, a single cached position
+    (4, 2, 1, 64, 300, 257, None),  # multi-query, long
+])
+def test_fp32_equals_float64_attention(b, n, g, d, s_max, s, mask):
+    from megarl.models.decode_attention import decode_attention
+
+    q, k, v, masked = _case(b, n, g, d, s_max, s, mask, seed=b * 1000 + s)
+    scale = d ** -0.5
+    got = decode_attention(q, k, v, None if masked is None else masked[:, None, None, :], scale=scale)
+    assert got.shape == (b, n, 1, d) and got.dtype == torch.float32
+    want = _reference(q[:, :, 0], k, v, masked, scale)
+    err = (got[:, :, 0].double() - want).abs().max().item()
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=None if masked is None else ~masked[:, None, None, :],
+                                          scale=scale, enable_gqa=n != g)
+    sdpa_err = (sdpa[:, :, 0].double() - want).abs().max().item()
+    print(f"\n[decode attention] b{b} n{n} g{g} d{d} S{s} {mask}: kernel {err:.1e}, SDPA {sdpa_err:.1e} from float64")
+    assert err < 2e-6, err
+    assert err < 4 * sdpa_err + 1e-7, (err, sdpa_err)  # no worse than SDPA's own fp32 rounding
+
+
+@needs_kernel
+def test_bf16_cache_within_bf16_rounding():
+    from megarl.models.decode_attention import decode_attention
+
+    q, k, v, masked = _case(4, 8, 4, 64, 40, 29, "left", seed=7)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    got = decode_attention(q, k, v, masked[:, None, None, :], scale=0.125)
+    assert got.dtype == torch.bfloat16
+    want = _reference(q[:, :, 0], k, v, masked, 0.125)  # the same bf16 inputs, in float64
+    assert (got[:, :, 0].double() - want).abs().max().item() < 1e-2  # one bf16 rounding of values ~1
+
+
+@needs_kernel
+def test_masked_positions_are_never_read():
+    """A masked key or value holding NaN must not reach the output (SDPA's -inf semantics)."""
+    from megarl.models.decode_attention import decode_attention
+
+    q, k, v, masked = _case(3, 4, 2, 64, 20, 20, "left", seed=3)
+    want = decode_attention(q, k, v, masked[:, None, None, :], scale=0.125)
+    k, v = k.clone(), v.clone()
+    k[masked[:, None, :, None].expand_as(k)] = float("nan")
+    v[masked[:, None, :, None].expand_as(v)] = float("nan")
+    got = decode_attention(q, k, v, masked[:, None, None, :], scale=0.125)
+    assert torch.equal(got, want)
+    masked[1] = True  # a row with nothing to attend to: zeros, as torch's CPU SDPA gives
+    got = decode_attention(q, k, v, masked[:, None, None, :], scale=0.125)
+    assert torch.equal(got[1], torch.zeros_like(got[1])) and torch.equal(got[0], want[0])
+
+
+@needs_kernel
+def test_bad_inputs_raise_one_line_errors():
+    op = _kernel()
+    q, k, v, _ = _case(2, 4, 2, 64, 10, 10, None, seed=1)
+    with pytest.raises(RuntimeError, match="shapes"):
+        op(q[:, :3, 0], k, v, None, 0.1)  # 3 query heads over 2 KV heads
+    with pytest.raises(RuntimeError, match="masked must be bool"):
+        op(q[:, :, 0], k, v, torch.zeros(2, 10), 0.1)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(q[:, :, 0].double(), k.double(), v.double(), None, 0.1)
+
+
+def test_autograd_and_disabled_kernels_stay_on_sdpa(monkeypatch):
+    import megarl.models.decode_attention as da
+
+    q, k, v, masked = _case(2, 4, 2, 64, 12, 12, "left", seed=2)
+    calls = []
+    monkeypatch.setattr(da, "_op", lambda *a: calls.append(a) or torch.zeros(2, 4, 64))
+    q.requires_grad_(True)
+    out = da.decode_attention(q, k, v, masked[:, None, None, :], scale=0.125)
+    out.sum().backward()  # SDPA's graph: the kernel has no backward
+    assert not calls and q.grad is not None
+    monkeypatch.setattr(da, "_op", da._UNLOADED)
+    monkeypatch.setenv("MEGARL_DISABLE_KERNELS", "1")
+    assert da.cpu_kernel() is None
+    with torch.no_grad():
+        got = da.decode_attention(q, k, v, masked[:, None, None, :], scale=0.125)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=~masked[:, None, None, :], scale=0.125, enable_gqa=True)
+    assert torch.equal(got, want)
+
+
+def _engine_body(rank, world_size):
+    import megarl.models.decode_attention as da
+    from megarl.config import ModelConfig, ParallelConfig
+    from megarl.roles.role import Role
+    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+    from megarl.runtime.distributed import init_distributed
+
+    init_distributed(1, 1, seed=3)
+    mc = ModelConfig(num_layers=3, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_kv_heads=2,
+                     vocab_size=100, max_position_embeddings=48, init_std=0.1)
+    role = Role("actor", mc, ParallelConfig(), head="lm", seed=4)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 100, (n,), generator=g).tolist() for n in (3, 11, 6, 1, 8)]
+    engine = MegatronRolloutEngine(role, vocab_size=100, pad_id=0, max_batch_size=8)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10)
+    kernel = da.cpu_kernel()
+    calls = [0]
+
+    def counted(*a):
+        calls[0] += 1
+        return kernel(*a)
+
+    da._op = counted
+    with_kernel = engine.generate(prompts, params, seed=9)
+    da._op = None  # SDPA
+    with_sdpa = engine.generate(prompts, params, seed=9)
+    da._op = kernel
+    return {"calls": calls[0], "tokens": torch.equal(with_kernel.tokens, with_sdpa.tokens),
+            "lp_err": (with_kernel.logprobs - with_sdpa.logprobs).abs().max().item()}
+
+
+@needs_kernel
+def test_rollout_with_the_kernel_equals_rollout_on_sdpa():
+    out = run_distributed(_engine_body, 1)[0]
+    assert out["calls"] >= 3 * 9, out  # every layer of every decode step (9 steps after the prefill)
+    assert out["tokens"], "sampled tokens differ between the kernel and SDPA"
+    assert out["lp_err"] < 1e-5, out
