@@ -1,6 +1,7 @@
 """CPU benchmark: one decode step's attention over the KV cache, megarl's kernel vs torch SDPA.
 
     python bench/bench_decode_attention.py [--reps 7] [--threads 1] [--quick]
+    python bench/bench_decode_attention.py --rollout default|realistic [--reps 3]
 
 Per shape, `layers` separate caches of [rows, kv_heads, max_len, d] fp32 (the engine's layout)
 are filled with random values, and one decode step is timed: a query of one token per row
@@ -14,6 +15,10 @@ a quarter of the rows, as ragged prompts do. Variants, interleaved rep by rep:
   grouped-query shapes), the eager path of transformers' Llama.
 Each prints CPU ms per layer (best and median over reps) and the bytes of K and V read per
 second; the kernel's output is checked against SDPA's.
+
+--rollout: the whole generate phase of bench_rl_step.py's workload (same model, prompts and
+sampling: 8 x 8 rows x 128 tokens, or the realistic 2 x 8 rows of 40-200 + up to 1,024
+tokens), with the kernel and with SDPA in turn, same seed, interleaved; CPU-s per generate call.
 """
 import argparse
 import os
@@ -43,12 +48,15 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="two small shapes, 2 reps: a smoke run")
+    ap.add_argument("--rollout", choices=("default", "realistic"), help="time bench_rl_step.py's generate phase")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from megarl.models.decode_attention import cpu_kernel, decode_attention
 
     if cpu_kernel() is None:
         sys.exit("megarl._cpu is not built (pip install --no-build-isolation -e . with a C++ compiler)")
+    if args.rollout:
+        return rollout_ab(args)
     shapes = SHAPES
     if args.quick:
         shapes, args.reps = [(n, 8, h, g, d, 2, s) for n, _, h, g, d, _, s in SHAPES[:2]], 2
@@ -103,6 +111,55 @@ def main():
         ratio = [b / a for a, b in zip(times["megarl kernel"], times["SDPA"])]
         print(f"| {name} | SDPA / kernel | {min(times['SDPA']) / min(times['megarl kernel']):.2f}x best | "
               f"{statistics.median(ratio):.2f}x median | | |")
+
+
+def rollout_ab(args) -> None:
+    import tempfile
+
+    import megarl.models.decode_attention as da
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_rl_step as rl
+
+    w = argparse.Namespace(hidden=512, ffn=1408, layers=8, heads=8, kv_heads=8, vocab=32000, prompts=8, samples=8,
+                           prompt_len=32, new_tokens=128, micro_batch=8, beta=0.04, old_logprobs="rollout",
+                           workload=args.rollout, mean_len=200, packing="off", precision="fp32",
+                           cpu_half_gemm="native")
+    if args.rollout == "realistic":
+        for k, v in rl.REALISTIC.items():
+            setattr(w, k, v)
+        w.prompts, w.packing = 2, "on"
+    w.prompt_min = 40 if args.rollout == "realistic" else w.prompt_len
+    w.max_pos = max(256, w.prompt_len + w.new_tokens)
+    kernel = da.cpu_kernel()
+    with tempfile.TemporaryDirectory(prefix="bench_decode_attention_") as work:
+        model_dir, prompts_file = rl.build_assets(w, work)
+        stage = rl.build_megarl(w, model_dir, prompts_file, work)
+        calls = []  # the first step's generate arguments, replayed
+        generate = stage.engine.generate
+        stage.engine.generate = lambda *a, **k: calls.append((a, k)) or generate(*a, **k)
+        stage.step(0)  # also the warm-up
+        stage.engine.generate = generate
+        a, k = calls[0]
+        times = {"megarl kernel": [], "SDPA": []}
+        lens = {}
+        for _ in range(args.reps):
+            for name, op in (("megarl kernel", kernel), ("SDPA", None)):
+                da._op = op
+                c0 = time.process_time()
+                r = generate(*a, **k)
+                times[name].append(time.process_time() - c0)
+                lens[name] = r.response_lens.float().mean().item()
+        da._op = kernel
+    print(f"\n## Generate phase of bench_rl_step.py --workload {args.rollout}, fp32, {args.threads} thread(s), "
+          f"{args.reps} interleaved reps (mean response {lens['megarl kernel']:.0f} tokens with the kernel, "
+          f"{lens['SDPA']:.0f} with SDPA)\n")
+    print("| decode attention | best CPU-s | median CPU-s |")
+    print("|---|---|---|")
+    for name, ts in times.items():
+        print(f"| {name} | {min(ts):.2f} | {statistics.median(ts):.2f} |")
+    print(f"\nkernel / SDPA: {min(times['megarl kernel']) / min(times['SDPA']):.3f}x best, "
+          f"{statistics.median(times['megarl kernel']) / statistics.median(times['SDPA']):.3f}x median")
 
 
 if __name__ == "__main__":
