@@ -130,6 +130,12 @@ def test_autograd_and_disabled_kernels_stay_on_sdpa(monkeypatch):
     out = da.decode_attention(q, k, v, masked[:, None, None, :], scale=0.125)
     out.sum().backward()  # SDPA's graph: the kernel has no backward
     assert not calls and q.grad is not None
+    with torch.no_grad():  # what the kernel does not take goes to SDPA, never to its checks
+        per_head = masked[:, None, None, :].expand(2, 4, 1, 12)  # a mask per head, not per row
+        da.decode_attention(q, k, v, per_head, scale=0.125)
+        da.decode_attention(q.repeat(1, 1, 2, 1), k, v, None, scale=0.125)  # two query tokens
+        da.decode_attention(q.double(), k.double(), v.double(), None, scale=0.125)
+    assert not calls
     monkeypatch.setattr(da, "_op", da._UNLOADED)
     monkeypatch.setenv("MEGARL_DISABLE_KERNELS", "1")
     assert da.cpu_kernel() is None

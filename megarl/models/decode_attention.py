@@ -20,7 +20,7 @@ from torch import Tensor
 logger = logging.getLogger("megarl.models")
 
 _UNLOADED = object()
-_op = _UNLOADED  # torch.ops.megarl_cpu.decode_attention, or None when it cannot be used here
+_op = _UNLOADED  # megarl._cpu.decode_attention, or None when it cannot be used here
 
 
 def cpu_kernel():
@@ -32,10 +32,10 @@ def cpu_kernel():
             reason = "MEGARL_DISABLE_KERNELS is set"
         else:
             try:
-                importlib.import_module("megarl._cpu")  # registers torch.ops.megarl_cpu
+                op = importlib.import_module("megarl._cpu").decode_attention
             except ImportError as exc:
                 reason = f"megarl._cpu is not built: {exc}"
-        _op = None if reason else torch.ops.megarl_cpu.decode_attention
+        _op = None if reason else op
         if reason:
             logger.info("megarl: CPU decode attention kernel unavailable (%s); using SDPA", reason)
     return _op
@@ -46,14 +46,22 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | N
     mask: None or bool broadcastable to [b, 1, 1, sk], True = masked (megatron's convention).
     -> [b, n, 1, d]. Heads share KV heads as SDPA's enable_gqa does (head h reads h // (n // g))."""
     op = cpu_kernel() if query.device.type == "cpu" else None
-    usable = (op is not None and (mask is None or mask.dtype == torch.bool) and query.dtype in (torch.float32, torch.bfloat16) and key.dtype == query.dtype
-              and value.dtype == query.dtype and query.shape[2] == 1 and query.stride(-1) == 1
-              and key.stride(-1) == 1 and value.stride(-1) == 1 and key.stride(2) == value.stride(2)
-              and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)))
+    # what the kernel takes; anything else (its own checks never fire from here) goes to SDPA
+    b, n, sq, d = query.shape
+    usable = (op is not None and query.dtype in (torch.float32, torch.bfloat16) and key.dtype == query.dtype
+              and value.dtype == query.dtype and key.device == query.device and value.device == query.device
+              and sq == 1 and key.dim() == 4 and key.shape == value.shape and key.shape[0] == b
+              and key.shape[3] == d and 0 < key.shape[1] and n % key.shape[1] == 0
+              and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
+              and key.stride(2) == value.stride(2)
+              and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, b)
+                                    and mask.shape[1:3] == (1, 1) and mask.shape[3] in (1, key.shape[2])))
+              and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                                    or value.requires_grad)))
     if not usable:
         gqa = query.shape[1] != key.shape[1]
         attn_mask = None if mask is None else ~mask
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
-    b, sk = query.shape[0], key.shape[2]
+    sk = key.shape[2]
     masked = None if mask is None else mask.expand(b, 1, 1, sk)[:, 0, 0, :]  # [b, sk], a view
     return op(query[:, :, 0], key, value, masked, scale).unsqueeze(2)
