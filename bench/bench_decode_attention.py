@@ -68,8 +68,7 @@ def main():
     g = torch.Generator().manual_seed(0)
     for name, rows, heads, kv_heads, d, layers, cached in shapes:
         max_len = cached + 64
-        caches = [(torch.randn(rows, kv_heads, max_len, d, generator=g), torch.randn(rows, kv_heads, max_len, d, generator=g))
-                  for _ in range(layers)]
+        caches = [tuple(torch.randn(rows, kv_heads, max_len, d, generator=g) for _ in "kv") for _ in range(layers)]
         queries = [torch.randn(1, rows, heads, d, generator=g).permute(1, 2, 0, 3) for _ in range(layers)]
         masked = torch.zeros(rows, max_len, dtype=torch.bool)
         masked[: rows // 4, : min(7, cached - 1)] = True

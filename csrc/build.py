@@ -49,8 +49,8 @@ def cpu_extension():
         return None
     from torch.utils.cpp_extension import CppExtension
 
-    ext = CppExtension(name="megarl._cpu", sources=[os.path.relpath(os.path.join(HERE, "cpu_decode_attention.cpp"), ROOT)],
-                       extra_compile_args=["-O3", "-fopenmp-simd"])
+    source = os.path.relpath(os.path.join(HERE, "cpu_decode_attention.cpp"), ROOT)
+    ext = CppExtension(name="megarl._cpu", sources=[source], extra_compile_args=["-O3", "-fopenmp-simd"])
     ext.optional = True  # setuptools' build_ext warns and goes on when an optional extension fails
     return ext
 

@@ -15,8 +15,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace {
@@ -47,17 +48,19 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// A row of d values into the cache ahead of its use.
+template <typename T>
+inline __attribute__((always_inline)) void prefetch_row(const T* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
+}
+
 // One (row, KV head): r query heads [r, d] (fp32, contiguous) against S cached positions,
 // one head at a time (its keys and values stay in L1/L2 for the next head of the group).
 // D > 0 is d known at compile time (the loops over d unroll and the output stays in
 // registers); D == 0 reads d at run time. scores: [S] workspace; out: [r, d] fp32. Masked
 // positions (masked[s * mask_stride] true) are never read and get exactly zero weight; a row
 // whose positions are all masked gets zeros, as torch's CPU SDPA gives.
-template <typename T>
-inline __attribute__((always_inline)) void prefetch_row(const T* row, int64_t d) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
-}
 
 template <int D, typename T>
 inline __attribute__((always_inline)) void attend_block(const float* q, const T* k, const T* k_next, const T* v,
@@ -126,9 +129,10 @@ inline __attribute__((always_inline)) void attend_block(const float* q, const T*
 #endif
 
 template <typename T>
-inline __attribute__((always_inline)) void attend_any(const float* q, const T* k, const T* k_next, const T* v, int64_t s_stride,
-                                                      const bool* masked, int64_t mask_stride, int64_t S, int64_t d,
-                                                      int64_t r, float scale, float* scores, float* out) {
+inline __attribute__((always_inline)) void attend_any(const float* q, const T* k, const T* k_next, const T* v,
+                                                      int64_t s_stride, const bool* masked, int64_t mask_stride,
+                                                      int64_t S, int64_t d, int64_t r, float scale, float* scores,
+                                                      float* out) {
   switch (d) {
     case 64: return attend_block<64>(q, k, k_next, v, s_stride, masked, mask_stride, S, d, r, scale, scores, out);
     case 128: return attend_block<128>(q, k, k_next, v, s_stride, masked, mask_stride, S, d, r, scale, scores, out);
@@ -136,9 +140,9 @@ inline __attribute__((always_inline)) void attend_any(const float* q, const T* k
   }
 }
 
-MEGARL_CLONES void attend_f32(const float* q, const float* k, const float* k_next, const float* v, int64_t s_stride, const bool* masked,
-                              int64_t mask_stride, int64_t S, int64_t d, int64_t r, float scale, float* scores,
-                              float* out) {
+MEGARL_CLONES void attend_f32(const float* q, const float* k, const float* k_next, const float* v, int64_t s_stride,
+                              const bool* masked, int64_t mask_stride, int64_t S, int64_t d, int64_t r, float scale,
+                              float* scores, float* out) {
   attend_any(q, k, k_next, v, s_stride, masked, mask_stride, S, d, r, scale, scores, out);
 }
 
@@ -173,8 +177,8 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key, const at::Tensor&
         for (int64_t i = 0; i < d; ++i) qf[j * d + i] = to_float(qp[b * qb + (h * r + j) * qh + i]);
       const int64_t nb = (idx + 1) / g, nh = (idx + 1) % g;
       const T* k_next = idx + 1 < end ? kp + nb * kb + nh * kg : nullptr;
-      attend(qf.data(), kp + b * kb + h * kg, k_next, vp + b * vb + h * vg, s_stride, mp == nullptr ? nullptr : mp + b * mb,
-             ms, S, d, r, sc, scores.data(), of.data());
+      attend(qf.data(), kp + b * kb + h * kg, k_next, vp + b * vb + h * vg, s_stride,
+             mp == nullptr ? nullptr : mp + b * mb, ms, S, d, r, sc, scores.data(), of.data());
       T* ob = op + (b * H + h * r) * d;
       for (int64_t i = 0; i < r * d; ++i) ob[i] = static_cast<T>(of[i]);
     }
@@ -188,38 +192,45 @@ std::string shape_of(const at::Tensor& t) {
   return out + "]";
 }
 
-// Every message is one std::string: TORCH_CHECK then formats nothing through iostreams here (with
-// the several-argument form it streams them, which crashed where the compiler links libstdc++
-// statically: one GPU machine's /opt/gcc wrapper, 2026-11-27).
-void check(bool ok, const std::string& what) { TORCH_CHECK(ok, "megarl._cpu.decode_attention: " + what); }
+// Every message is one std::string, built only on failure: TORCH_CHECK then formats nothing
+// through iostreams here (its several-argument form streams them, which crashed where the
+// compiler links libstdc++ statically: one GPU machine's /opt/gcc wrapper, 2026-11-27).
+[[noreturn]] void fail(const std::string& what) {
+  TORCH_CHECK(false, "megarl._cpu.decode_attention: " + what);
+  throw std::logic_error("unreachable");
+}
+#define MEGARL_CHECK(cond, what) \
+  do {                           \
+    if (!(cond)) fail(what);     \
+  } while (0)
 
 // query [B, H, d]; key, value [B, g, S, d] (any strides but unit stride over d, equal strides
 // for key and value over S); masked: None or bool [B, S], true = this position is not attended.
 // -> [B, H, d] in query's dtype. Head h reads KV head h / (H / g), as SDPA's enable_gqa does.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const c10::optional<at::Tensor>& masked, double scale) {
-  check(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "CPU tensors only");
-  check(query.dim() == 3 && key.dim() == 4 && value.dim() == 4, "query [B, H, d], key/value [B, g, S, d] expected, got " +
-        shape_of(query) + ", " + shape_of(key) + ", " + shape_of(value));
-  check(key.sizes() == value.sizes() && key.size(0) == query.size(0) && key.size(3) == query.size(2) &&
+  MEGARL_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "CPU tensors only");
+  MEGARL_CHECK(query.dim() == 3 && key.dim() == 4 && value.dim() == 4,
+               "query [B, H, d], key/value [B, g, S, d] expected, got " + shape_of(query) + ", " + shape_of(key) +
+                   ", " + shape_of(value));
+  MEGARL_CHECK(key.sizes() == value.sizes() && key.size(0) == query.size(0) && key.size(3) == query.size(2) &&
             key.size(1) > 0 && query.size(1) % key.size(1) == 0,
         "shapes query " + shape_of(query) + " key " + shape_of(key) + " value " + shape_of(value) +
             " do not fit (B, d equal; H a multiple of g)");
-  check(query.stride(2) == 1 && key.stride(3) == 1 && value.stride(3) == 1 && key.stride(2) == value.stride(2),
+  MEGARL_CHECK(query.stride(2) == 1 && key.stride(3) == 1 && value.stride(3) == 1 && key.stride(2) == value.stride(2),
         "unit stride over d and equal key/value strides over S required");
-  check(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
+  MEGARL_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
         "query, key and value must share a dtype");
   if (masked.has_value()) {
-    check(masked->scalar_type() == at::kBool && masked->dim() == 2 && masked->size(0) == key.size(0) &&
+    MEGARL_CHECK(masked->scalar_type() == at::kBool && masked->dim() == 2 && masked->size(0) == key.size(0) &&
               masked->size(1) == key.size(2),
           "masked must be bool [B, S]");
   }
   switch (query.scalar_type()) {
     case at::kFloat: return run<float>(query, key, value, masked, scale, attend_f32);
     case at::kBFloat16: return run<c10::BFloat16>(query, key, value, masked, scale, attend_bf16);
-    default: check(false, std::string("float32 or bfloat16 only, got ") + c10::toString(query.scalar_type()));
+    default: fail(std::string("float32 or bfloat16 only, got ") + c10::toString(query.scalar_type()));
   }
-  return at::Tensor();
 }
 
 }  // namespace
