@@ -1,9 +1,10 @@
-"""Build hook for the optional CUDA extension; the package metadata is in pyproject.toml.
+"""Build hook for the optional extensions; the package metadata is in pyproject.toml.
 
-The CUDA kernels in csrc/ are built only when a CUDA toolkit and a CUDA build of torch are both
-present (csrc/build.py decides, and never fails the install); otherwise megarl runs the exact
-torch path. Install with `pip install --no-build-isolation -e .[dev]` (launchers/local/setup.sh)
-so that the build sees the installed torch.
+csrc/build.py decides, and never fails the install: the CPU decode-attention kernel
+(megarl._cpu) is built wherever a C++ compiler is, the CUDA kernels (megarl._C) only when a CUDA
+toolkit and a CUDA build of torch are both present; without them megarl runs the torch path.
+Install with `pip install --no-build-isolation -e .[dev]` (launchers/local/setup.sh) so that
+the build sees the installed torch.
 """
 import os
 import sys
