@@ -18,7 +18,8 @@ second; the kernel's output is checked against SDPA's.
 
 --rollout: the whole generate phase of bench_rl_step.py's workload (same model, prompts and
 sampling: 8 x 8 rows x 128 tokens, or the realistic 2 x 8 rows of 40-200 + up to 1,024
-tokens), with the kernel and with SDPA in turn, same seed, interleaved; CPU-s per generate call.
+tokens), with the kernel and with SDPA in turn, same seed, interleaved; CPU-s per generate call,
+and whether the two sampled the same tokens.
 """
 import argparse
 import os
@@ -141,18 +142,19 @@ def rollout_ab(args) -> None:
         stage.engine.generate = generate
         a, k = calls[0]
         times = {"megarl kernel": [], "SDPA": []}
-        lens = {}
+        lens, tokens = {}, {}
         for _ in range(args.reps):
             for name, op in (("megarl kernel", kernel), ("SDPA", None)):
                 da._op = op
                 c0 = time.process_time()
                 r = generate(*a, **k)
                 times[name].append(time.process_time() - c0)
-                lens[name] = r.response_lens.float().mean().item()
+                lens[name], tokens[name] = r.response_lens.float().mean().item(), r.tokens
         da._op = kernel
+    same = torch.equal(tokens["megarl kernel"], tokens["SDPA"])
     print(f"\n## Generate phase of bench_rl_step.py --workload {args.rollout}, fp32, {args.threads} thread(s), "
           f"{args.reps} interleaved reps (mean response {lens['megarl kernel']:.0f} tokens with the kernel, "
-          f"{lens['SDPA']:.0f} with SDPA)\n")
+          f"{lens['SDPA']:.0f} with SDPA; sampled tokens {'identical' if same else 'DIFFERENT'})\n")
     print("| decode attention | best CPU-s | median CPU-s |")
     print("|---|---|---|")
     for name, ts in times.items():
