@@ -221,11 +221,10 @@ def self_attention_class():
             keys, values = k_cache[b0: b0 + b, :, :end], v_cache[b0: b0 + b, :, :end]  # [b, g, sk, d]
             if mask is None and sq > 1 and start > 0:  # chunked prefill: causal, bottom-right aligned
                 mask = torch.ones(sq, end, dtype=torch.bool, device=query.device).triu_(start + 1)
-            if sq == 1:  # a decode step: megarl._cpu's kernel on a CPU, SDPA elsewhere
-                out = decode_attention(query.permute(1, 2, 0, 3), keys, values, mask, scale=self._softmax_scale(d))
-            else:
-                out = sdpa(query.permute(1, 2, 0, 3), keys, values, mask, causal=start == 0 and sq > 1,
-                           scale=self._softmax_scale(d))
+            query, scale = query.permute(1, 2, 0, 3), self._softmax_scale(d)  # [b, n, sq, d]
+            out = decode_attention(query, keys, values, mask, scale=scale) if sq == 1 else None  # megarl._cpu
+            if out is None:  # prefill, GPUs, or no kernel
+                out = sdpa(query, keys, values, mask, causal=start == 0 and sq > 1, scale=scale)
             return out.permute(2, 0, 1, 3).reshape(sq, b, n * d)
 
     return MegarlSelfAttention

@@ -3,19 +3,19 @@
 torch's SDPA on a CPU runs each (row, head) block of a decode step as separate small GEMM
 calls and reads the cache at 6-10 GB/s (docs/benchmarks.md); csrc/cpu_decode_attention.cpp
 (`megarl._cpu`, built by setup.py when a C++ compiler is there) reads each cached key and
-value once per KV head, for every query head that shares it. `decode_attention` uses it for
-CPU fp32/bf16 tensors outside autograd, and SDPA everywhere else (GPUs, a missing build,
-MEGARL_DISABLE_KERNELS=1). Same maths as SDPA up to fp32 summation order and exp rounding.
+value once per KV head, for every query head that shares it. `decode_attention` runs it on
+CPU fp32/bf16 tensors outside autograd and returns None everywhere else (GPUs, a missing build,
+MEGARL_DISABLE_KERNELS=1), where attention.py runs SDPA. Same maths as SDPA up to fp32
+summation order and exp rounding.
 """
 from __future__ import annotations
 
-import importlib
 import logging
-import os
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from megarl.utils.imports import import_kernels
 
 logger = logging.getLogger("megarl.models")
 
@@ -27,26 +27,21 @@ def cpu_kernel():
     """The compiled op, or None (the reason logged once at INFO)."""
     global _op
     if _op is _UNLOADED:
-        reason = ""
-        if os.environ.get("MEGARL_DISABLE_KERNELS", "") not in ("", "0"):
-            reason = "MEGARL_DISABLE_KERNELS is set"
-        else:
-            try:
-                op = importlib.import_module("megarl._cpu").decode_attention
-            except ImportError as exc:
-                reason = f"megarl._cpu is not built: {exc}"
-        _op = None if reason else op
-        if reason:
+        module, reason = import_kernels("megarl._cpu")
+        _op = None if module is None else module.decode_attention
+        if module is None:
             logger.info("megarl: CPU decode attention kernel unavailable (%s); using SDPA", reason)
     return _op
 
 
-def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *, scale: float) -> Tensor:
+def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
+                     scale: float) -> Tensor | None:
     """query [b, n, 1, d]; key, value [b, g, sk, d] (views of the cache: unit stride over d);
     mask: None or bool broadcastable to [b, 1, 1, sk], True = masked (megatron's convention).
-    -> [b, n, 1, d]. Heads share KV heads as SDPA's enable_gqa does (head h reads h // (n // g))."""
+    -> [b, n, 1, d]. Heads share KV heads as SDPA's enable_gqa does (head h reads h // (n // g)).
+    None when the kernel cannot take these inputs: the caller runs SDPA."""
     op = cpu_kernel() if query.device.type == "cpu" else None
-    # what the kernel takes; anything else (its own checks never fire from here) goes to SDPA
+    # what the kernel takes; anything else (its own checks never fire from here) is left to SDPA
     b, n, sq, d = query.shape
     usable = (op is not None and query.dtype in (torch.float32, torch.bfloat16) and key.dtype == query.dtype
               and value.dtype == query.dtype and key.device == query.device and value.device == query.device
@@ -59,9 +54,7 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | N
               and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                                     or value.requires_grad)))
     if not usable:
-        gqa = query.shape[1] != key.shape[1]
-        attn_mask = None if mask is None else ~mask
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=gqa)
+        return None
     sk = key.shape[2]
     masked = None if mask is None else mask.expand(b, 1, 1, sk)[:, 0, 0, :]  # [b, sk], a view
     return op(query[:, :, 0], key, value, masked, scale).unsqueeze(2)

@@ -4,11 +4,11 @@ The extension is imported on first use, not at `import megarl`, and when it cann
 reason is logged once on the `megarl.ops` logger; every op then runs its torch path. Setting
 MEGARL_DISABLE_KERNELS=1 forces the torch path (for A/B checks on a GPU machine).
 """
-import importlib
 import logging
-import os
 
 import torch
+
+from megarl.utils.imports import import_kernels
 
 logger = logging.getLogger("megarl.ops")
 
@@ -18,17 +18,12 @@ _ext = _UNLOADED  # the only mutable module state: the extension module, or None
 
 def _import():
     """(module or None, reason it is unavailable)."""
-    if os.environ.get("MEGARL_DISABLE_KERNELS", "") not in ("", "0"):
-        return None, "MEGARL_DISABLE_KERNELS is set"
     if not torch.version.cuda:
         return None, f"torch {torch.__version__} is a CPU build"
-    try:
-        mod = importlib.import_module("megarl._C")
-    except ImportError as exc:
-        return None, f"megarl._C is not built: {exc}"
-    if not torch.cuda.is_available():
+    mod, reason = import_kernels("megarl._C")
+    if mod is not None and not torch.cuda.is_available():
         return None, "no CUDA device is visible"
-    return mod, ""
+    return mod, reason
 
 
 def load():

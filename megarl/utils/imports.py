@@ -1,4 +1,5 @@
-"""Importing user code named in a config: `module` or `path/to/file.py` (reward functions, tools)."""
+"""Importing user code named in a config (`module` or `path/to/file.py`: reward functions, tools),
+and megarl's own compiled extensions (csrc/), which are optional."""
 from __future__ import annotations
 
 import importlib
@@ -25,3 +26,14 @@ def import_user_module(module_name: str, label: str, prefix: str):
         raise
     except Exception as e:  # ImportError, or the user module raising while it loads
         raise ValueError(f"{label}: cannot import {module_name!r}: {type(e).__name__}: {e}".replace("\n", " ")) from None
+
+
+def import_kernels(module_name: str):
+    """(the compiled extension `module_name`, "") or (None, why it cannot be used here).
+    MEGARL_DISABLE_KERNELS=1 turns every compiled kernel off, for A/B runs against the torch paths."""
+    if os.environ.get("MEGARL_DISABLE_KERNELS", "") not in ("", "0"):
+        return None, "MEGARL_DISABLE_KERNELS is set"
+    try:
+        return importlib.import_module(module_name), ""
+    except ImportError as exc:
+        return None, f"{module_name} is not built: {exc}"
