@@ -1,7 +1,7 @@
 """CPU benchmark: one decode step's attention over the KV cache, megarl's kernel vs torch SDPA.
 
     python bench/bench_decode_attention.py [--reps 7] [--threads 1] [--quick]
-    python bench/bench_decode_attention.py --rollout default|realistic [--reps 3]
+    python bench/bench_decode_attention.py --rollout default|realistic [--ab attention|head] [--reps 3]
 
 Per shape, `layers` separate caches of [rows, kv_heads, max_len, d] fp32 (the engine's layout)
 are filled with random values, and one decode step is timed: a query of one token per row
@@ -19,7 +19,8 @@ second; the kernel's output is checked against SDPA's.
 --rollout: the whole generate phase of bench_rl_step.py's workload (same model, prompts and
 sampling: 8 x 8 rows x 128 tokens, or the realistic 2 x 8 rows of 40-200 + up to 1,024
 tokens), with the kernel and with SDPA in turn, same seed, interleaved; CPU-s per generate call,
-and whether the two sampled the same tokens.
+and whether the two sampled the same tokens. `--ab head` compares the same way megarl._cpu's
+LM-head GEMM at 3-24 rows (csrc/cpu_wide_linear.cpp, models/cpu_gemm.py) against MKL / oneDNN.
 """
 import argparse
 import os
@@ -50,6 +51,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="two small shapes, 2 reps: a smoke run")
     ap.add_argument("--rollout", choices=("default", "realistic"), help="time bench_rl_step.py's generate phase")
+    ap.add_argument("--ab", choices=("attention", "head"), default="attention",
+                    help="--rollout: the kernel compared (decode attention, or the LM head's GEMM)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from megarl.models.decode_attention import cpu_kernel, decode_attention
@@ -113,10 +116,26 @@ def main():
               f"{statistics.median(ratio):.2f}x median | | |")
 
 
+def same_samples(a, b) -> tuple[int, float]:
+    """(rows whose response tokens are identical, the largest log-prob difference before each row's
+    first differing token). fp32 rounding may flip a draw that lands within ~1e-6 of a boundary:
+    the row then goes its own way, which a bug would not explain with equal log-probs before it."""
+    same, err = 0, 0.0
+    for i in range(a.tokens.shape[0]):
+        p, n = int(a.prompt_lens[i]), min(int(a.response_lens[i]), int(b.response_lens[i]))
+        diff = (a.tokens[i, p:p + n] != b.tokens[i, p:p + n]).nonzero().flatten()
+        first = int(diff[0]) if len(diff) else n
+        same += int(len(diff) == 0 and a.response_lens[i] == b.response_lens[i])
+        if first:
+            err = max(err, float((a.logprobs[i, :first] - b.logprobs[i, :first]).abs().max()))
+    return same, err
+
+
 def rollout_ab(args) -> None:
     import tempfile
 
     import megarl.models.decode_attention as da
+    from megarl.models import cpu_kernels
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_rl_step as rl
@@ -131,7 +150,13 @@ def rollout_ab(args) -> None:
         w.prompts, w.packing = 2, "on"
     w.prompt_min = 40 if args.rollout == "realistic" else w.prompt_len
     w.max_pos = max(256, w.prompt_len + w.new_tokens)
-    kernel = da.cpu_kernel()
+    kernel, wide_linear = da.cpu_kernel(), cpu_kernels.wide_linear
+    if args.ab == "head" and wide_linear() is None:
+        sys.exit("megarl._cpu.wide_linear does not run here (not built, or no AVX-512)")
+    variants = ({"megarl kernel": lambda: setattr(da, "_op", kernel), "SDPA": lambda: setattr(da, "_op", None)}
+                if args.ab == "attention" else
+                {"megarl kernel": lambda: setattr(cpu_kernels, "wide_linear", wide_linear),
+                 "MKL / oneDNN": lambda: setattr(cpu_kernels, "wide_linear", lambda: None)})
     with tempfile.TemporaryDirectory(prefix="bench_decode_attention_") as work:
         model_dir, prompts_file = rl.build_assets(w, work)
         stage = rl.build_megarl(w, model_dir, prompts_file, work)
@@ -141,26 +166,28 @@ def rollout_ab(args) -> None:
         stage.step(0)  # also the warm-up
         stage.engine.generate = generate
         a, k = calls[0]
-        times = {"megarl kernel": [], "SDPA": []}
-        lens, tokens = {}, {}
+        times = {name: [] for name in variants}
+        lens, rollouts = {}, {}
         for _ in range(args.reps):
-            for name, op in (("megarl kernel", kernel), ("SDPA", None)):
-                da._op = op
+            for name, switch in variants.items():
+                switch()
                 c0 = time.process_time()
                 r = generate(*a, **k)
                 times[name].append(time.process_time() - c0)
-                lens[name], tokens[name] = r.response_lens.float().mean().item(), r.tokens
-        da._op = kernel
-    same = torch.equal(tokens["megarl kernel"], tokens["SDPA"])
+                lens[name], rollouts[name] = r.response_lens.float().mean().item(), r
+        da._op, cpu_kernels.wide_linear = kernel, wide_linear
+    (mine, theirs) = variants
+    same, lp_err = same_samples(rollouts[mine], rollouts[theirs])
     print(f"\n## Generate phase of bench_rl_step.py --workload {args.rollout}, fp32, {args.threads} thread(s), "
-          f"{args.reps} interleaved reps (mean response {lens['megarl kernel']:.0f} tokens with the kernel, "
-          f"{lens['SDPA']:.0f} with SDPA; sampled tokens {'identical' if same else 'DIFFERENT'})\n")
-    print("| decode attention | best CPU-s | median CPU-s |")
+          f"{args.reps} interleaved reps (mean response {lens[mine]:.0f} tokens with the kernel, "
+          f"{lens[theirs]:.0f} with {theirs}; sampled tokens identical in {same} of {len(rollouts[mine].tokens)} "
+          f"rows, log-probs before any first difference within {lp_err:.1e})\n")
+    print(f"| {'decode attention' if args.ab == 'attention' else 'LM head at 3-24 rows'} | best CPU-s | median CPU-s |")
     print("|---|---|---|")
     for name, ts in times.items():
         print(f"| {name} | {min(ts):.2f} | {statistics.median(ts):.2f} |")
-    print(f"\nkernel / SDPA: {min(times['megarl kernel']) / min(times['SDPA']):.3f}x best, "
-          f"{statistics.median(times['megarl kernel']) / statistics.median(times['SDPA']):.3f}x median")
+    print(f"\nkernel / {theirs}: {min(times[mine]) / min(times[theirs]):.3f}x best, "
+          f"{statistics.median(times[mine]) / statistics.median(times[theirs]):.3f}x median")
 
 
 if __name__ == "__main__":

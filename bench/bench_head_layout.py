@@ -6,15 +6,21 @@ A decode step with m live rows multiplies [m, h] by the head's [V, h] weight. MK
 layout (`F.linear`, what megatron-core's output layer runs) has a dip at 4-8 rows on some CPUs; the
 same product as `(W @ x.T).T` (no copy) or `x @ W.t().contiguous()` (a second, [h, V] copy of the
 weight) takes other kernels. oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`,
-what megarl's generation runs at 2+ rows, models/cpu_gemm.py) reads either memory order. Prints
-best / median ms per variant and the error against float64.
+what megarl's generation runs at 2+ rows, models/cpu_gemm.py) reads either memory order.
+`megarl wide_linear, W` is megarl._cpu's kernel (csrc/cpu_wide_linear.cpp), what generation runs
+at 3-24 rows where it is built and the CPU has AVX-512. Prints best / median ms per variant and
+the error against float64; the variants are interleaved rep by rep.
 """
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():
@@ -34,10 +40,17 @@ def main():
         onednn = torch.ops.mkldnn._linear_pointwise
         layouts["oneDNN, W"] = lambda x: onednn(x, w, None, "none", [], "")
         layouts["oneDNN, W.t().contiguous()"] = lambda x: onednn(x, wt.t(), None, "none", [], "")
+    from megarl.models import cpu_kernels
+
+    kernel = cpu_kernels.wide_linear()
+    if kernel is not None:
+        layouts["megarl wide_linear, W"] = lambda x: kernel(x, w)
+    else:
+        print("megarl._cpu.wide_linear: not built or no AVX-512 here; left out\n")
     print(f"LM head {args.vocab} x {args.hidden} fp32, {args.threads} thread(s), best / median ms of {args.reps}\n")
     print("| rows | " + " | ".join(layouts) + " | max rel err vs float64 |")
     print("|---" * (len(layouts) + 2) + "|")
-    for m in (1, 2, 3, 4, 6, 8, 12, 16, 32, 64):
+    for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64):
         x = torch.randn(m, args.hidden, generator=g)
         ref = x.double() @ w.double().t()
         times = {name: [] for name in layouts}

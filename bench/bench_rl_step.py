@@ -248,17 +248,21 @@ def gemm_rates(args, reps: int = 3) -> dict:
 def decode_seconds(args, reps: int = 3) -> dict:
     """Best seconds of each linear's forward at m = 1..rows live rows, {(linear, m): s}: a decode
     step with few rows is bound by reading the weight, so its time is measured, not derived from a
-    FLOP rate. The fastest of four ways no engine need avoid: MKL's sgemm on the stored [n, k]
+    FLOP rate. The fastest of the ways no engine need avoid: MKL's sgemm on the stored [n, k]
     weight as `x W^T` and as `(W x^T)^T` (2-3x faster at 2-4 rows of an LM head), MKL on the
-    weight stored input-major ([k, n]: `x @ wt`), and oneDNN's inner product on that memory
-    (megarl's decode layout); MKL on [m, k] x [n, k]^T alone is up to 1.8x slower at m = 4..8 than
-    at m = 16 on this machine (measured)."""
+    weight stored input-major ([k, n]: `x @ wt`), oneDNN's inner product on that memory
+    (megarl's decode layout), and megarl._cpu's wide_linear on the stored weight where it is built
+    (AVX-512); MKL on [m, k] x [n, k]^T alone is up to 1.8x slower at m = 4..8 than at m = 16 on
+    this machine (measured)."""
     import torch
     import torch.nn.functional as F
     from bench_gemm_floor import linears
     from timing import best_wall_and_cpu
 
+    from megarl.models import cpu_kernels
+
     onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    kernel = cpu_kernels.wide_linear()
     g = torch.Generator().manual_seed(0)
     seconds = {}
     for name, n, k in linears(args):
@@ -269,6 +273,8 @@ def decode_seconds(args, reps: int = 3) -> dict:
             ways = [lambda: F.linear(x, w), lambda: torch.mm(w, x.t()).t(), lambda: x @ wt]
             if onednn is not None:
                 ways.append(lambda: onednn(x, wt.t(), None, "none", [], ""))
+            if kernel is not None:
+                ways.append(lambda: kernel(x, w))
             for fn in ways:
                 fn()  # warm-up
             seconds[(name, m)] = min(best_wall_and_cpu(fn, reps)[0] for fn in ways)

@@ -1,7 +1,7 @@
 """Describe megarl's compiled extensions for setup.py; each is left out when it cannot be built.
 
 get_extensions() -> (ext_modules, cmdclass), and never raises: megarl._cpu (the CPU decode
-attention) needs a C++ compiler and is optional (a failed compile is a warning); megarl._C (the
+attention and the LM head's decode GEMM) needs a C++ compiler and is optional (a failed compile is a warning); megarl._C (the
 CUDA kernels) needs a CUDA build of torch *and* a CUDA toolkit (nvcc). Without either, megarl
 installs and runs the torch path. The .cu files hold the CUDA kernels, bindings.cpp their Python
 bindings (g++ only); host_check.cpp is the CPU test harness of the CUDA kernels' arithmetic and
@@ -42,15 +42,20 @@ def kernel_sources():
     return sorted(glob.glob(os.path.join(HERE, "*.cu")))
 
 
+CPU_SOURCES = ("cpu_decode_attention.cpp", "cpu_wide_linear.cpp", "cpu_bindings.cpp")
+
+
 def cpu_extension():
-    """megarl._cpu (cpu_decode_attention.cpp: decode attention over the KV cache), or None
-    without a C++ compiler. Optional: a failed compile leaves megarl on torch's SDPA."""
+    """megarl._cpu (cpu_decode_attention.cpp: decode attention over the KV cache;
+    cpu_wide_linear.cpp: the LM head's GEMM at decode sizes), or None without a C++ compiler.
+    Optional: a failed compile leaves megarl on torch's SDPA and GEMMs."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return None
     from torch.utils.cpp_extension import CppExtension
 
-    source = os.path.relpath(os.path.join(HERE, "cpu_decode_attention.cpp"), ROOT)
-    ext = CppExtension(name="megarl._cpu", sources=[source], extra_compile_args=["-O3", "-fopenmp-simd"])
+    sources = [os.path.relpath(os.path.join(HERE, name), ROOT) for name in CPU_SOURCES]
+    ext = CppExtension(name="megarl._cpu", sources=sources, include_dirs=[HERE],
+                       extra_compile_args=["-O3", "-fopenmp-simd"])
     ext.optional = True  # setuptools' build_ext warns and goes on when an optional extension fails
     return ext
 

@@ -6,8 +6,11 @@
 // pass per (row, KV head) reads each cached key and value once for all the query heads that
 // share it (grouped-query attention), with fp32 accumulation, and the exponentials vectorise.
 //
-// Bound with pybind11 as megarl._cpu.decode_attention (no autograd: generation only), as
-// megarl._C is: a failed check becomes a Python RuntimeError inside this library.
+// Bound with pybind11 (cpu_bindings.cpp) as megarl._cpu.decode_attention (no autograd:
+// generation only), as megarl._C is: a failed check becomes a Python RuntimeError inside this
+// library.
+#include "cpu_common.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
@@ -186,57 +189,39 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key, const at::Tensor&
   return out;
 }
 
-std::string shape_of(const at::Tensor& t) {
-  std::string out = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
-  return out + "]";
-}
+}  // namespace
 
-// Every message is one std::string, built only on failure: TORCH_CHECK then formats nothing
-// through iostreams here (its several-argument form streams them, which crashed where the
-// compiler links libstdc++ statically: one GPU machine's /opt/gcc wrapper, 2026-11-27).
-[[noreturn]] void fail(const std::string& what) {
-  TORCH_CHECK(false, "megarl._cpu.decode_attention: " + what);
-  throw std::logic_error("unreachable");
-}
-#define MEGARL_CHECK(cond, what) \
-  do {                           \
-    if (!(cond)) fail(what);     \
-  } while (0)
+namespace megarl_cpu {
+
+#define MEGARL_CHECK_DA(cond, what) MEGARL_CHECK(cond, "decode_attention", what)
 
 // query [B, H, d]; key, value [B, g, S, d] (any strides but unit stride over d, equal strides
 // for key and value over S); masked: None or bool [B, S], true = this position is not attended.
 // -> [B, H, d] in query's dtype. Head h reads KV head h / (H / g), as SDPA's enable_gqa does.
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const c10::optional<at::Tensor>& masked, double scale) {
-  MEGARL_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "CPU tensors only");
-  MEGARL_CHECK(query.dim() == 3 && key.dim() == 4 && value.dim() == 4,
+  MEGARL_CHECK_DA(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu(), "CPU tensors only");
+  MEGARL_CHECK_DA(query.dim() == 3 && key.dim() == 4 && value.dim() == 4,
                "query [B, H, d], key/value [B, g, S, d] expected, got " + shape_of(query) + ", " + shape_of(key) +
                    ", " + shape_of(value));
-  MEGARL_CHECK(key.sizes() == value.sizes() && key.size(0) == query.size(0) && key.size(3) == query.size(2) &&
+  MEGARL_CHECK_DA(key.sizes() == value.sizes() && key.size(0) == query.size(0) && key.size(3) == query.size(2) &&
             key.size(1) > 0 && query.size(1) % key.size(1) == 0,
         "shapes query " + shape_of(query) + " key " + shape_of(key) + " value " + shape_of(value) +
             " do not fit (B, d equal; H a multiple of g)");
-  MEGARL_CHECK(query.stride(2) == 1 && key.stride(3) == 1 && value.stride(3) == 1 && key.stride(2) == value.stride(2),
+  MEGARL_CHECK_DA(query.stride(2) == 1 && key.stride(3) == 1 && value.stride(3) == 1 && key.stride(2) == value.stride(2),
         "unit stride over d and equal key/value strides over S required");
-  MEGARL_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
+  MEGARL_CHECK_DA(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
         "query, key and value must share a dtype");
   if (masked.has_value()) {
-    MEGARL_CHECK(masked->scalar_type() == at::kBool && masked->dim() == 2 && masked->size(0) == key.size(0) &&
+    MEGARL_CHECK_DA(masked->scalar_type() == at::kBool && masked->dim() == 2 && masked->size(0) == key.size(0) &&
               masked->size(1) == key.size(2),
           "masked must be bool [B, S]");
   }
   switch (query.scalar_type()) {
     case at::kFloat: return run<float>(query, key, value, masked, scale, attend_f32);
     case at::kBFloat16: return run<c10::BFloat16>(query, key, value, masked, scale, attend_bf16);
-    default: fail(std::string("float32 or bfloat16 only, got ") + c10::toString(query.scalar_type()));
+    default: fail(std::string("decode_attention: float32 or bfloat16 only, got ") + c10::toString(query.scalar_type()));
   }
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "softmax(q K^T * scale) V of one query token per row over a KV cache",
-        pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("masked"),
-        pybind11::arg("scale"));
-}
+}  // namespace megarl_cpu

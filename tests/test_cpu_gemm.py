@@ -275,15 +275,30 @@ def test_onednn_linear_leaves_everything_else_to_megatron():
                for c in calls)  # megatron's settings passed through untouched
 
 
+def _wide_kernel():
+    from megarl.models import cpu_kernels
+
+    return cpu_kernels.wide_linear()
+
+
 @pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_a_wide_weight_at_2_to_4_rows_reads_its_out_major_tensor(with_bias):
-    """The LM head at 2-4 rows runs MKL's (W @ x.T).T on the [out, in] tensor generation kept;
-    at 5+ rows, without that tensor, or on a narrower weight it runs oneDNN; equal to float64."""
-    from megarl.models import cpu_gemm
+@pytest.mark.parametrize("kernel", ["megarl", None])
+def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel, monkeypatch):
+    """The LM head at few rows reads the [out, in] tensor generation kept: megarl._cpu's
+    wide_linear at 3-24 rows (where built and the CPU has AVX-512), MKL's (W @ x.T).T at 2 (and at
+    3-4 without the kernel); at more rows, without that tensor, or on a narrower weight it runs
+    oneDNN; every result equal to float64."""
+    from megarl.models import cpu_gemm, cpu_kernels
 
+    real = _wide_kernel()
+    if kernel and real is None:
+        pytest.skip("megarl._cpu.wide_linear needs the built extension and an AVX-512 CPU")
+    kernel_calls = []
+    monkeypatch.setattr(cpu_kernels, "wide_linear",
+                        lambda: (lambda x, w: kernel_calls.append(x.shape[0]) or real(x, w)) if kernel else None)
     g = torch.Generator().manual_seed(11)
-    stored = torch.randn(cpu_gemm.OUT_MAJOR_MIN_OUT, 40, generator=g) / 6  # [out, in] memory
+    stored = torch.randn(cpu_gemm.OUT_MAJOR_MIN_OUT + 3, 40, generator=g) / 6  # [out, in] memory
     w = torch.nn.Parameter(stored.t().contiguous().t(), requires_grad=False)  # the decode layout
     narrow = torch.nn.Parameter(torch.randn(cpu_gemm.OUT_MAJOR_MIN_OUT - 64, 40, generator=g), requires_grad=False)
     bias = torch.randn(stored.shape[0], generator=g) if with_bias else None
@@ -294,15 +309,47 @@ def test_a_wide_weight_at_2_to_4_rows_reads_its_out_major_tensor(with_bias):
 
     def libraries(rows, weight, b=None, run=impl):
         x = torch.randn(rows, 1, 40, generator=g)
+        before = len(kernel_calls)
         with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             y = run(input=x, weight=weight, bias=b, **kw)
         ref = x.double() @ weight.double().t() + (b.double() if b is not None else 0)
         assert y.shape == (rows, 1, weight.shape[0]) and y.is_contiguous()
         assert float((y.double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
         keys = {e.key for e in prof.key_averages()}
-        return ("oneDNN" if "mkldnn::_linear_pointwise" in keys else "") + ("MKL" if "aten::mm" in keys else "")
+        return ("oneDNN" if "mkldnn::_linear_pointwise" in keys else "") + ("MKL" if "aten::mm" in keys else "") + (
+            "megarl" if len(kernel_calls) > before else "")
 
-    assert [libraries(r, w, bias) for r in (2, 3, 4, 5, 8)] == ["MKL"] * 3 + ["oneDNN"] * 2
+    if kernel:
+        assert [libraries(r, w, bias) for r in (2, 3, 4, 5, 8, 24, 25)] == ["MKL"] + ["megarl"] * 5 + ["oneDNN"]
+        assert kernel_calls == [3, 4, 5, 8, 24]
+    else:
+        assert [libraries(r, w, bias) for r in (2, 3, 4, 5, 8)] == ["MKL"] * 3 + ["oneDNN"] * 2
     assert libraries(3, narrow) == "oneDNN"  # not wide: oneDNN wins there
     assert libraries(3, w, bias, _onednn_forward_impl(_fake_megatron_impl(calls))) == "oneDNN"  # no [out, in] kept
     assert calls == []
+
+
+@pytest.mark.skipif(_wide_kernel() is None, reason="megarl._cpu.wide_linear needs the built extension and AVX-512")
+@pytest.mark.parametrize("rows,out,h", [(1, 1001, 256), (3, 4096, 40), (4, 517, 250), (7, 2050, 512), (24, 333, 16),
+                                        (13, 64, 7)])
+def test_wide_linear_equals_a_float64_product(rows, out, h):
+    """megarl._cpu.wide_linear over row counts off its 4-row blocks, weights off its 4-row blocks
+    and widths off its 16 lanes (masked tails), on fresh random inputs."""
+    g = torch.Generator().manual_seed(rows * 100 + h)
+    x, w = torch.randn(rows, h, generator=g), torch.randn(out, h, generator=g)
+    y = _wide_kernel()(x, w)
+    ref = x.double() @ w.double().t()
+    assert y.shape == (rows, out) and y.dtype == torch.float32
+    # fp32 sums of h products of N(0, 1) values: a few ulp of sqrt(h)
+    assert float((y.double() - ref).abs().max()) < 2e-6 * h ** 0.5 * 8, float((y.double() - ref).abs().max())
+
+
+@pytest.mark.skipif(_wide_kernel() is None, reason="megarl._cpu.wide_linear needs the built extension and AVX-512")
+def test_wide_linear_bad_inputs_raise_one_line_errors():
+    op = _wide_kernel()
+    x, w = torch.randn(2, 32), torch.randn(8, 32)
+    for args, msg in (((x.double(), w), "float32 only"), ((x, w[:, :16]), r"x \[R, h\] and w \[V, h\]"),
+                      ((x, w.t().contiguous().t()), "contiguous")):
+        with pytest.raises(RuntimeError, match="megarl._cpu.wide_linear: .*" + msg) as err:
+            op(*args)
+        assert "\n" not in str(err.value)

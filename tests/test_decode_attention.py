@@ -144,6 +144,7 @@ def test_autograd_and_disabled_kernels_are_left_to_sdpa(monkeypatch):
         assert da.decode_attention(q, k, v, masked[:, None, None, :], scale=0.125) is not None
     assert len(calls) == 1
     monkeypatch.setattr(da, "_op", da._UNLOADED)
+    monkeypatch.setattr(da.cpu_kernels, "_module", da.cpu_kernels._UNLOADED)
     monkeypatch.setenv("MEGARL_DISABLE_KERNELS", "1")
     assert da.cpu_kernel() is None
     with torch.no_grad():

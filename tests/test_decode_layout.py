@@ -1,5 +1,6 @@
 """CPU generation reads each linear's weight from [in, out] memory (models/decode_layout.py) and
-runs its GEMMs of 2+ rows through oneDNN (models/cpu_gemm.py; the routed GEMM itself is tested in
+runs its GEMMs of 2+ rows through oneDNN, the LM head's at 3-24 rows through megarl._cpu where built
+(models/cpu_gemm.py; the routed GEMM itself is tested in
 tests/test_cpu_gemm.py): which weights switch and which linears are routed, that they come back
 untouched (optimizer buffers included, exceptions included), and that generation is the same
 model in every layout and library (fp32 rounding only)."""
@@ -13,13 +14,16 @@ VOCAB, PAD = 100, 0
 
 def _body(rank, world_size):
     from megarl.config import ModelConfig, OptimConfig, ParallelConfig
-    from megarl.models import cpu_gemm, decode_layout
+    from megarl.models import cpu_gemm, cpu_kernels, decode_layout
     from megarl.models.layout import unwrap
     from megarl.roles.role import Role
     from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
     from megarl.runtime.distributed import init_distributed, teardown
 
     init_distributed(1, 1, seed=3)
+    kernel, kernel_calls = cpu_kernels.wide_linear(), [0]  # megarl._cpu's head GEMM at 3-24 rows, where built
+    cpu_kernels.wide_linear = lambda: kernel and (lambda x, w: kernel_calls.__setitem__(0, kernel_calls[0] + 1)
+                                                  or kernel(x, w))
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 6, 1)]
     out = {}
@@ -67,15 +71,17 @@ def _body(rank, world_size):
         fast = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD)
         greedy = SamplingParams(greedy=True, max_new_tokens=10)
         sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=10)
-        runs, onednn_calls, head_mkl_calls = [], [], []
+        runs, onednn_calls, head_mkl_calls, head_kernel_calls = [], [], [], []
         for e, wide in ((plain, None), (mkl, None), (fast, None), (fast, VOCAB)):
-            # wide: the head counts as wide (models/cpu_gemm.py), so 2-4 rows read its [out, in] tensor
+            # wide: the head counts as wide (models/cpu_gemm.py), so 2-24 rows read its [out, in] tensor
             cpu_gemm.OUT_MAJOR_MIN_OUT, default_wide = wide or cpu_gemm.OUT_MAJOR_MIN_OUT, cpu_gemm.OUT_MAJOR_MIN_OUT
+            kernel_calls[0] = 0
             try:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
                     runs.append((e.generate(prompts, greedy, seed=0), e.generate(prompts, sampled, seed=4)))
             finally:
                 cpu_gemm.OUT_MAJOR_MIN_OUT = default_wide
+            head_kernel_calls.append(kernel_calls[0])
             events = prof.key_averages(group_by_input_shape=True)
             onednn_calls.append(sum(ev.count for ev in events if ev.key == "mkldnn::_linear_pointwise"))
             head_mkl_calls.append(sum(ev.count for ev in events if ev.key == "aten::mm" and ev.input_shapes
@@ -83,6 +89,7 @@ def _body(rank, world_size):
                                       and ev.input_shapes[0][1] == mc.hidden_size))
         out[tied] = dict(linears=len(linears), routed=routed, routed_inside=routed_inside, routed_after=routed_after,
                          onednn_calls=onednn_calls, head_mkl_calls=head_mkl_calls,
+                         head_kernel_calls=head_kernel_calls, kernel=kernel is not None,
                          storages=len({w.untyped_storage().data_ptr() for w in weights}),
                          names=sorted(names[id(w)] for w in weights), switched=len(out_major), inside=inside,
                          restored=was_restored, restored_after_error=restored_after_error,
@@ -132,9 +139,12 @@ def test_every_linear_is_routed_to_onednn_and_comes_back(result, tied):
     # every linear of every forward with 2+ rows: at most the prefill and 9 decode steps of each of
     # the 4-row greedy and 12-row sampled batches (rows left alone at the end go MKL's path)
     assert r["linears"] * 10 <= fast <= r["linears"] * 20, r["onednn_calls"]
-    # a wide head: its forwards of 2-4 rows leave oneDNN for MKL on the [out, in] tensor
-    assert r["head_mkl_calls"][2] == 0 and r["head_mkl_calls"][3] > 0, r["head_mkl_calls"]
-    assert wide == fast - r["head_mkl_calls"][3], r["onednn_calls"]
+    # a wide head: its forwards of 2-24 rows leave oneDNN for the [out, in] tensor: megarl._cpu's
+    # kernel from 3 rows where it runs, MKL at 2 (and at 3-4 without the kernel)
+    mkl_calls, kernel_calls = r["head_mkl_calls"], r["head_kernel_calls"]
+    assert mkl_calls[2] == 0 and kernel_calls[:3] == [0, 0, 0], (mkl_calls, kernel_calls)
+    assert (kernel_calls[3] > 0) == r["kernel"] and mkl_calls[3] + kernel_calls[3] > 0, (mkl_calls, kernel_calls)
+    assert wide == fast - mkl_calls[3] - kernel_calls[3], r["onednn_calls"]
 
 
 def test_bf16_weights_stay_in_their_layout(result):

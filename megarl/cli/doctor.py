@@ -190,7 +190,7 @@ def device_rows(devices: list[DeviceInfo]) -> list[dict]:
 
 def csrc_status(find_spec: Callable = importlib.util.find_spec) -> dict:
     """Whether megarl._C (csrc/'s CUDA kernels) is built into this install, loading it needs a CUDA
-    device too; and under "cpu", whether megarl._cpu (the CPU decode-attention kernel) is."""
+    device too; and under "cpu", whether megarl._cpu (the CPU decode-attention and LM-head kernels) is."""
     def spec_of(name):
         try:
             return find_spec(name)
@@ -203,7 +203,7 @@ def csrc_status(find_spec: Callable = importlib.util.find_spec) -> dict:
                                       "a CUDA torch (pip install --no-build-isolation -e '.[gpu]'); ops use torch"})
     out["cpu"] = ({"built": True, "detail": f"megarl._cpu at {cpu.origin}"} if cpu is not None else
                   {"built": False, "detail": "megarl._cpu is not built (no C++ compiler at install, or its compile "
-                                             "failed: see pip's output); CPU generation uses torch's SDPA"})
+                                             "failed: see pip's output); CPU generation uses torch's SDPA and GEMMs"})
     return out
 
 
@@ -428,7 +428,8 @@ def format_report(report: dict) -> str:
     lines.append(f"csrc extension: {'built' if c['built'] else 'not built'} ({c['detail']})")
     cpu = c.get("cpu") or {}
     if cpu:
-        lines.append(f"CPU decode attention: {'built' if cpu['built'] else 'not built'} ({cpu['detail']})")
+        lines.append(f"CPU kernels (decode attention, LM head): {'built' if cpu['built'] else 'not built'} "
+                     f"({cpu['detail']})")
     lines += ["", "GPU checks:"]
     for ch in report["checks"]:
         took = f" [{ch['seconds']:.0f} s]" if ch["seconds"] >= 1 else ""

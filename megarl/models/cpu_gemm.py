@@ -16,7 +16,11 @@ everything else takes megatron-core's own path. Training keeps megatron's autogr
 head, >= OUT_MAJOR_MIN_OUT outputs) at 2-4 rows, where MKL's `(W @ x.T).T` on the stored [out, in]
 memory took 0.5-0.85x of oneDNN's time (32k x 512 and 152k x 256 heads; at 6+ rows and on narrower
 weights it is no faster, and at 1 row MKL's matrix-vector product on [in, out] memory wins); it
-runs there when generation kept that tensor (`out_major`, from models/decode_layout.py).
+runs there when generation kept that tensor (`out_major`, from models/decode_layout.py). From 3
+to 24 rows, where this CPU has AVX-512 and megarl._cpu is built, the wide weight's GEMM runs
+megarl's own kernel on that [out, in] memory instead (csrc/cpu_wide_linear.cpp: the weight
+streamed once with a prefetch ahead; 0.6-0.9x of the best library's time at the 152k x 256 head,
+docs/benchmarks.md).
 
 A half-precision GEMM on a CPU multiplies half inputs, accumulates in fp32 and rounds the result
 to half once. The product of two bf16 (or fp16) numbers is exact in fp32 (8 + 8 or 11 + 11
@@ -43,6 +47,8 @@ import contextlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from megarl.models import cpu_kernels
 
 HALF = (torch.bfloat16, torch.float16)
 SETTINGS = ("native", "fp32")  # train.cpu_half_gemm
@@ -154,6 +160,7 @@ def half_gemms_in_fp32(chunks, enabled: bool):
 ONEDNN_MIN_ROWS = 2  # below this MKL's matrix-vector product is faster (module docstring)
 OUT_MAJOR_MAX_ROWS = 4  # up to this many rows, a wide weight's GEMM reads its [out, in] memory
 OUT_MAJOR_MIN_OUT = 16384  # "wide": an LM head (a vocabulary shard), not a layer's linear
+WIDE_KERNEL_ROWS = (3, 24)  # megarl._cpu.wide_linear's rows on the wide weights (module docstring)
 
 
 def onednn_available() -> bool:
@@ -164,7 +171,8 @@ def _onednn_forward_impl(megatron_impl, out_major=None):
     """A linear's `_forward_impl` (megatron-core calls it with keywords: input, weight, bias,
     sequence_parallel, and the backward's settings) that runs the local GEMM through oneDNN where
     it pays, and megatron's own implementation everywhere else. out_major: {id(weight): the same
-    values in [out, in] memory} for the wide weights' GEMMs of 2-4 rows (module docstring)."""
+    values in [out, in] memory} for the wide weights' GEMMs of 2-24 rows (module docstring)."""
+    kernel = cpu_kernels.wide_linear() if out_major else None  # megarl._cpu.wide_linear, or None
 
     def forward_impl(input, weight, bias=None, sequence_parallel=False, **kwargs):
         rows = input.numel() // max(input.shape[-1], 1)
@@ -172,14 +180,17 @@ def _onednn_forward_impl(megatron_impl, out_major=None):
                 or input.device.type != "cpu" or input.dtype != torch.float32 or weight.dtype != torch.float32):
             return megatron_impl(input=input, weight=weight, bias=bias, sequence_parallel=sequence_parallel, **kwargs)
         x = input.reshape(rows, input.shape[-1]).contiguous()  # [rows, in]
-        stored = (out_major.get(id(weight)) if out_major and rows <= OUT_MAJOR_MAX_ROWS
-                  and weight.shape[0] >= OUT_MAJOR_MIN_OUT else None)
-        if stored is not None:  # [out, in] memory: MKL streams it once for all rows
-            out = torch.mm(stored, x.t()).t().contiguous()  # [rows, out]
-            if bias is not None:
-                out += bias
+        wide = out_major.get(id(weight)) if out_major and weight.shape[0] >= OUT_MAJOR_MIN_OUT else None
+        if (wide is not None and kernel is not None and WIDE_KERNEL_ROWS[0] <= rows <= WIDE_KERNEL_ROWS[1]
+                and wide.is_contiguous()):
+            out = kernel(x, wide)  # [rows, out]: megarl's kernel streams the [out, in] memory once
+        elif wide is not None and rows <= OUT_MAJOR_MAX_ROWS:  # MKL streams the [out, in] memory once
+            out = torch.mm(wide, x.t()).t().contiguous()  # [rows, out]
         else:
             out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # [rows, out]
+            bias = None  # added by oneDNN
+        if bias is not None:
+            out += bias
         return out.view(*input.shape[:-1], out.shape[-1])
 
     return forward_impl

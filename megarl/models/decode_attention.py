@@ -10,27 +10,21 @@ summation order and exp rounding.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import Tensor
 
-from megarl.utils.imports import import_kernels
-
-logger = logging.getLogger("megarl.models")
+from megarl.models import cpu_kernels
 
 _UNLOADED = object()
 _op = _UNLOADED  # megarl._cpu.decode_attention, or None when it cannot be used here
 
 
 def cpu_kernel():
-    """The compiled op, or None (the reason logged once at INFO)."""
+    """The compiled op, or None (models/cpu_kernels.py logs why)."""
     global _op
     if _op is _UNLOADED:
-        module, reason = import_kernels("megarl._cpu")
+        module = cpu_kernels.load()
         _op = None if module is None else module.decode_attention
-        if module is None:
-            logger.info("megarl: CPU decode attention kernel unavailable (%s); using SDPA", reason)
     return _op
 
 

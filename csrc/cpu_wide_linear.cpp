@@ -1,0 +1,145 @@
+// megarl._cpu.wide_linear: x W^T for a few rows x [R, h] and a wide weight W [V, h] (an LM head
+// at V = 32k-152k) stored [out, in], on a CPU with AVX-512.
+//
+// A decode step multiplies 1-24 rows by the whole head: 155 MB at 152k x 256 in fp32, read from
+// memory every step. MKL's and oneDNN's GEMMs at these shapes read it at 8-16 GB/s (3-24 rows:
+// 10-23 ms a step, docs/benchmarks.md). Here W is streamed once, 4 of its rows at a time, with
+// a software prefetch into L2 64 rows ahead; each block of 4 weight rows is multiplied by the
+// rows of x 4 at a time, 16 accumulators of 16 lanes (independent FMA chains) summed across
+// lanes once per block. fp32 throughout; the sums differ from MKL's only in their order.
+#include "cpu_common.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)  // GCC's target pragmas below
+#include <immintrin.h>
+#define MEGARL_WIDE_LINEAR_AVX512 1
+#endif
+
+namespace {
+
+#ifdef MEGARL_WIDE_LINEAR_AVX512
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,fma")
+
+// The 4 sums of 4 accumulators, in order.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128 bits: a b a b
+  __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                              _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+}
+
+// out[j, i] (row stride ldo) = x[j] . w[i] for RB rows of x and the 4 weight rows at w (each h
+// long, contiguous). The last h % 16 columns go through masked loads (zeros beyond h).
+template <int RB>
+inline __attribute__((always_inline)) void block(const float* x, int64_t h, const float* w, float* out, int64_t ldo) {
+  __m512 acc[RB][4];
+  for (int j = 0; j < RB; ++j)
+    for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
+  const int64_t h16 = h & ~int64_t(15);
+  auto step = [&](int64_t k, __mmask16 m) {
+    const __m512 w0 = _mm512_maskz_loadu_ps(m, w + k), w1 = _mm512_maskz_loadu_ps(m, w + h + k),
+                 w2 = _mm512_maskz_loadu_ps(m, w + 2 * h + k), w3 = _mm512_maskz_loadu_ps(m, w + 3 * h + k);
+    for (int j = 0; j < RB; ++j) {
+      const __m512 xj = _mm512_maskz_loadu_ps(m, x + j * h + k);
+      acc[j][0] = _mm512_fmadd_ps(xj, w0, acc[j][0]);
+      acc[j][1] = _mm512_fmadd_ps(xj, w1, acc[j][1]);
+      acc[j][2] = _mm512_fmadd_ps(xj, w2, acc[j][2]);
+      acc[j][3] = _mm512_fmadd_ps(xj, w3, acc[j][3]);
+    }
+  };
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < h16; k += 16) step(k, __mmask16(0xFFFF));
+  if (h16 < h) step(h16, __mmask16((1u << (h - h16)) - 1));
+  for (int j = 0; j < RB; ++j) _mm_storeu_ps(out + j * ldo, sum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+}
+
+constexpr int64_t kPrefetchRows = 64;  // 64 weight rows ahead (64 KB at h = 256), into L2
+
+// Weight rows [v0, v1) (v1 - v0 a multiple of 4) against all R rows of x.
+void rows_avx512(const float* x, int64_t R, const float* w, int64_t V, int64_t h, float* out, int64_t v0,
+                 int64_t v1) {
+  for (int64_t v = v0; v < v1; v += 4) {
+    const float* wv = w + v * h;
+    if (v + kPrefetchRows + 4 <= V) {
+      const char* p = reinterpret_cast<const char*>(wv + kPrefetchRows * h);
+      for (int64_t b = 0; b < 4 * h * static_cast<int64_t>(sizeof(float)); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+    }
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) block<4>(x + r * h, h, wv, out + r * V + v, V);
+    switch (R - r) {
+      case 3: block<3>(x + r * h, h, wv, out + r * V + v, V); break;
+      case 2: block<2>(x + r * h, h, wv, out + r * V + v, V); break;
+      case 1: block<1>(x + r * h, h, wv, out + r * V + v, V); break;
+      default: break;
+    }
+  }
+}
+
+// The last V % 4 weight rows, one at a time.
+void tail_avx512(const float* x, int64_t R, const float* w, int64_t V, int64_t h, float* out, int64_t v0) {
+  const int64_t h16 = h & ~int64_t(15);
+  for (int64_t v = v0; v < V; ++v)
+    for (int64_t r = 0; r < R; ++r) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < h16; k += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * h + k), _mm512_loadu_ps(w + v * h + k), acc);
+      if (h16 < h) {
+        const __mmask16 m = __mmask16((1u << (h - h16)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + r * h + h16), _mm512_maskz_loadu_ps(m, w + v * h + h16), acc);
+      }
+      out[r * V + v] = _mm512_reduce_add_ps(acc);
+    }
+}
+#pragma GCC pop_options
+#endif
+
+}  // namespace
+
+namespace megarl_cpu {
+
+bool wide_linear_supported() {
+#ifdef MEGARL_WIDE_LINEAR_AVX512
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+#define MEGARL_CHECK_WL(cond, what) MEGARL_CHECK(cond, "wide_linear", what)
+
+// x [R, h], w [V, h]: contiguous fp32 CPU tensors. -> x w^T [R, V] fp32.
+at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w) {
+  MEGARL_CHECK_WL(wide_linear_supported(), "needs a CPU with AVX-512 (wide_linear_supported() is false here)");
+  MEGARL_CHECK_WL(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors only");
+  MEGARL_CHECK_WL(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+                  std::string("float32 only, got ") + c10::toString(x.scalar_type()) + " and " +
+                      c10::toString(w.scalar_type()));
+  MEGARL_CHECK_WL(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.size(1) > 0,
+                  "x [R, h] and w [V, h] expected, got " + shape_of(x) + " and " + shape_of(w));
+  MEGARL_CHECK_WL(x.is_contiguous() && w.is_contiguous(), "x and w must be contiguous");
+  const int64_t R = x.size(0), h = x.size(1), V = w.size(0);
+  at::Tensor out = at::empty({R, V}, x.options());
+#ifdef MEGARL_WIDE_LINEAR_AVX512
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t blocks = V / 4;
+  if (R > 0) {
+    at::parallel_for(0, blocks, 1024, [&](int64_t begin, int64_t end) {
+      rows_avx512(xp, R, wp, V, h, op, begin * 4, end * 4);
+    });
+    tail_avx512(xp, R, wp, V, h, op, blocks * 4);
+  }
+#endif
+  return out;
+}
+
+}  // namespace megarl_cpu

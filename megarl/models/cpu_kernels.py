@@ -1,0 +1,31 @@
+"""Lazy handle on megarl._cpu, the optional CPU kernels (csrc/cpu_*.cpp, built by setup.py
+wherever a C++ compiler is): decode attention over the KV cache (models/decode_attention.py) and
+the LM head's GEMM at decode sizes (models/cpu_gemm.py). Imported on first use; when it cannot be
+used (no build, MEGARL_DISABLE_KERNELS=1) the reason is logged once and the callers run torch.
+"""
+from __future__ import annotations
+
+import logging
+
+from megarl.utils.imports import import_kernels
+
+logger = logging.getLogger("megarl.models")
+
+_UNLOADED = object()
+_module = _UNLOADED  # megarl._cpu, or None when it cannot be used here
+
+
+def load():
+    """The megarl._cpu module, or None (the reason logged once at INFO)."""
+    global _module
+    if _module is _UNLOADED:
+        _module, reason = import_kernels("megarl._cpu")
+        if _module is None:
+            logger.info("megarl: CPU kernels unavailable (%s); using torch's SDPA and GEMMs", reason)
+    return _module
+
+
+def wide_linear():
+    """megarl._cpu.wide_linear where this CPU runs it (AVX-512), else None."""
+    module = load()
+    return module.wide_linear if module is not None and module.wide_linear_supported() else None
