@@ -284,7 +284,7 @@ def decode_seconds(args, reps: int = 3) -> dict:
 def decode_step_floor(args, seconds: dict, response_lens: list[int]) -> float:
     """Seconds of the GEMMs of one rollout's decode steps when every step runs only its live rows:
     step t >= 1 (token 0 comes from the prefill) has m_t = #responses longer than t rows, and costs
-    each linear's measured time at m_t rows (decode_seconds: the fastest of four ways). At a fixed
+    each linear's measured time at m_t rows (decode_seconds: the fastest way measured). At a fixed
     batch the long tail's steps run 1-2 rows, where the LM head's GEMM is bound by reading its
     weight (V x hidden), not by FLOPs:
     this is the least any engine spends decoding these lengths without more prompts to batch."""
@@ -521,8 +521,8 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s
                           for name, n, k in linears(args) if name != "lm head")
             steps = statistics.mean(decode_step_floor(args, decode_s, lens) for lens in mg["response_lens"]) + prefill
             print(f"\nGeneration at this batch's own decode steps (step t runs only its live rows, each linear "
-                  f"at its measured time for that many rows, the fastest of four ways: MKL or oneDNN, either "
-                  f"weight memory; the long tail's 1-2-row steps are bound by "
+                  f"at its measured time for that many rows, the fastest way: MKL or oneDNN on either "
+                  f"weight memory, or megarl._cpu's wide_linear where it runs; the long tail's 1-2-row steps are bound by "
                   f"reading the LM head's weight, which the FLOP floor above does not count): {steps:.2f} "
                   f"CPU-s per step; megarl's generate phase {mg['phases']['generate']:.2f} s (median) = "
                   f"{mg['phases']['generate'] / steps:.2f}x. The whole step against the floor with this "
