@@ -1,11 +1,11 @@
 """Describe megarl's compiled extensions for setup.py; each is left out when it cannot be built.
 
 get_extensions() -> (ext_modules, cmdclass), and never raises: megarl._cpu (the CPU decode
-attention and the LM head's decode GEMM) needs a C++ compiler and is optional (a failed compile is a warning); megarl._C (the
-CUDA kernels) needs a CUDA build of torch *and* a CUDA toolkit (nvcc). Without either, megarl
-installs and runs the torch path. The .cu files hold the CUDA kernels, bindings.cpp their Python
-bindings (g++ only); host_check.cpp is the CPU test harness of the CUDA kernels' arithmetic and
-is part of neither extension.
+attention and the LM head's decode GEMM) needs a C++ compiler and is optional (a failed compile
+is a warning); megarl._C (the CUDA kernels) needs a CUDA build of torch *and* a CUDA toolkit
+(nvcc). Without either, megarl installs and runs the torch path. The .cu files hold the CUDA
+kernels, bindings.cpp their Python bindings (g++ only); host_check.cpp is the CPU test harness of
+the CUDA kernels' arithmetic and is part of neither extension. cpu_*.cpp are megarl._cpu's.
 """
 import glob
 import os

@@ -19,7 +19,7 @@ weights it is no faster, and at 1 row MKL's matrix-vector product on [in, out] m
 runs there when generation kept that tensor (`out_major`, from models/decode_layout.py). From 3
 to 24 rows, where this CPU has AVX-512 and megarl._cpu is built, the wide weight's GEMM runs
 megarl's own kernel on that [out, in] memory instead (csrc/cpu_wide_linear.cpp: the weight
-streamed once with a prefetch ahead; 0.6-0.9x of the best library's time at the 152k x 256 head,
+streamed once with a prefetch ahead; 0.6-0.8x of the best library's time at the 152k x 256 head,
 docs/benchmarks.md).
 
 A half-precision GEMM on a CPU multiplies half inputs, accumulates in fp32 and rounds the result
