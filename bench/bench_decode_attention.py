@@ -150,10 +150,11 @@ def rollout_ab(args) -> None:
         w.prompts, w.packing = 2, "on"
     w.prompt_min = 40 if args.rollout == "realistic" else w.prompt_len
     w.max_pos = max(256, w.prompt_len + w.new_tokens)
-    kernel, wide_linear = da.cpu_kernel(), cpu_kernels.wide_linear
+    cpu_kernel, wide_linear = da.cpu_kernel, cpu_kernels.wide_linear
     if args.ab == "head" and wide_linear() is None:
         sys.exit("megarl._cpu.wide_linear does not run here (not built, or no AVX-512)")
-    variants = ({"megarl kernel": lambda: setattr(da, "_op", kernel), "SDPA": lambda: setattr(da, "_op", None)}
+    variants = ({"megarl kernel": lambda: setattr(da, "cpu_kernel", cpu_kernel),
+                 "SDPA": lambda: setattr(da, "cpu_kernel", lambda: None)}
                 if args.ab == "attention" else
                 {"megarl kernel": lambda: setattr(cpu_kernels, "wide_linear", wide_linear),
                  "MKL / oneDNN": lambda: setattr(cpu_kernels, "wide_linear", lambda: None)})
@@ -175,7 +176,7 @@ def rollout_ab(args) -> None:
                 r = generate(*a, **k)
                 times[name].append(time.process_time() - c0)
                 lens[name], rollouts[name] = r.response_lens.float().mean().item(), r
-        da._op, cpu_kernels.wide_linear = kernel, wide_linear
+        da.cpu_kernel, cpu_kernels.wide_linear = cpu_kernel, wide_linear
     (mine, theirs) = variants
     same, lp_err = same_samples(rollouts[mine], rollouts[theirs])
     print(f"\n## Generate phase of bench_rl_step.py --workload {args.rollout}, fp32, {args.threads} thread(s), "

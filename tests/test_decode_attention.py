@@ -132,7 +132,7 @@ def test_autograd_and_disabled_kernels_are_left_to_sdpa(monkeypatch):
 
     q, k, v, masked = _case(2, 4, 2, 64, 12, 12, "left", seed=2)
     calls = []
-    monkeypatch.setattr(da, "_op", lambda *a: calls.append(a) or torch.zeros(2, 4, 64))
+    monkeypatch.setattr(da, "cpu_kernel", lambda: lambda *a: calls.append(a) or torch.zeros(2, 4, 64))
     q.requires_grad_(True)
     assert da.decode_attention(q, k, v, masked[:, None, None, :], scale=0.125) is None  # the kernel has no backward
     with torch.no_grad():  # what the kernel does not take never reaches its checks
@@ -143,7 +143,7 @@ def test_autograd_and_disabled_kernels_are_left_to_sdpa(monkeypatch):
         assert da.decode_attention(q, k, v.transpose(2, 3).contiguous().transpose(2, 3), None, scale=0.125) is None
         assert da.decode_attention(q, k, v, masked[:, None, None, :], scale=0.125) is not None
     assert len(calls) == 1
-    monkeypatch.setattr(da, "_op", da._UNLOADED)
+    monkeypatch.undo()  # the real loader, loading anew
     monkeypatch.setattr(da.cpu_kernels, "_module", da.cpu_kernels._UNLOADED)
     monkeypatch.setenv("MEGARL_DISABLE_KERNELS", "1")
     assert da.cpu_kernel() is None
@@ -166,18 +166,19 @@ def _engine_body(rank, world_size):
     prompts = [torch.randint(1, 100, (n,), generator=g).tolist() for n in (3, 11, 6, 1, 8)]
     engine = MegatronRolloutEngine(role, vocab_size=100, pad_id=0, max_batch_size=8)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10)
-    kernel = da.cpu_kernel()
+    real = da.cpu_kernel
+    kernel = real()
     calls = [0]
 
     def counted(*a):
         calls[0] += 1
         return kernel(*a)
 
-    da._op = counted
+    da.cpu_kernel = lambda: counted
     with_kernel = engine.generate(prompts, params, seed=9)
-    da._op = None  # SDPA
+    da.cpu_kernel = lambda: None  # SDPA
     with_sdpa = engine.generate(prompts, params, seed=9)
-    da._op = kernel
+    da.cpu_kernel = real
     return {"calls": calls[0], "tokens": torch.equal(with_kernel.tokens, with_sdpa.tokens),
             "lp_err": (with_kernel.logprobs - with_sdpa.logprobs).abs().max().item()}
 

@@ -15,17 +15,10 @@ from torch import Tensor
 
 from megarl.models import cpu_kernels
 
-_UNLOADED = object()
-_op = _UNLOADED  # megarl._cpu.decode_attention, or None when it cannot be used here
-
-
 def cpu_kernel():
-    """The compiled op, or None (models/cpu_kernels.py logs why)."""
-    global _op
-    if _op is _UNLOADED:
-        module = cpu_kernels.load()
-        _op = None if module is None else module.decode_attention
-    return _op
+    """megarl._cpu.decode_attention, or None (models/cpu_kernels.py loads it once and logs why not)."""
+    module = cpu_kernels.load()
+    return None if module is None else module.decode_attention
 
 
 def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
