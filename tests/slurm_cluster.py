@@ -32,6 +32,7 @@ MUNGE_KEY = Path("/etc/munge/munge.key")
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
                    "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 _MARKER = "MEGARL_TEST_SLURM_CLUSTER"
+REQUEUE_HOLD_S = 3  # seconds wait() leaves a requeued job held before it releases it
 
 
 class SlurmUnavailable(RuntimeError):
@@ -159,17 +160,25 @@ class SlurmCluster:
              states=TERMINAL_STATES) -> dict[str, str]:
         """Poll until the job reaches one of `states`; return its record.
 
-        SLURM holds a requeued job for ~2 minutes (BeginTime) before it may start again;
-        with release_requeued the hold is lifted at once (`scontrol update StartTime=now`)."""
+        SLURM holds a requeued job for ~2 minutes (BeginTime, the job credential's lifetime)
+        before it may start again; with release_requeued the hold is lifted after a few seconds
+        (`scontrol update StartTime=now`). Not at once: each slurmd revokes the old instance's
+        credentials at a one-second resolution, and a new instance launched within that second
+        is killed as "Job credential revoked" (seen under load: the job then ends FAILED 1:0
+        instead of resuming)."""
         deadline = time.monotonic() + timeout
         info: dict[str, str] = {}
+        held_since: dict[int, float] = {}  # restart count -> when its hold was first seen
         while time.monotonic() < deadline:
             info = self.job(job_id)
             if info.get("JobState") in states:
                 return info
-            if (release_requeued and info.get("JobState") == "PENDING"
-                    and info.get("Reason") == "BeginTime" and int(info.get("Restarts", "0")) > 0):
-                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+            restarts = int(info.get("Restarts", "0"))
+            if (release_requeued and info.get("JobState") == "PENDING" and restarts > 0
+                    and info.get("Reason") == "BeginTime"):
+                since = held_since.setdefault(restarts, time.monotonic())
+                if time.monotonic() - since >= REQUEUE_HOLD_S:
+                    self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} not in {sorted(states)} after {timeout}s: {info}\n{self.daemon_logs()}")
 
