@@ -1,6 +1,6 @@
 """CPU benchmark: one RL step's rollout with the linears' weights read in [in, out] memory and
-their GEMMs run by oneDNN, the LM head's at 2-4 rows by MKL on its stored [out, in] memory
-(megarl's default on CPU, models/decode_layout.py and cpu_gemm.py), against oneDNN alone, the
+their GEMMs run by oneDNN, the LM head's at 2-32 rows by megarl._cpu's kernel (without it, at 2-4
+rows by MKL) on its stored [out, in] memory (megarl's default on CPU, models/decode_layout.py and cpu_gemm.py), against oneDNN alone, the
 [in, out] memory with MKL's sgemm (torch.matmul) and megatron-core's stored [out, in] with MKL;
 with --score, also the step's reference scoring with the forward-only linears through oneDNN
 (megarl's default) and through MKL.
@@ -61,19 +61,23 @@ def main():
         batch = next(stage.prompts)
         params = stage._sampling(stage.cfg.rl.temperature, stage.cfg.rl.samples_per_prompt)
 
-        from megarl.models import cpu_gemm
+        from megarl.models import cpu_gemm, cpu_kernels
 
-        head_rows = cpu_gemm.OUT_MAJOR_MAX_ROWS
+        head_rows, wide_kernel = cpu_gemm.OUT_MAJOR_MAX_ROWS, cpu_kernels.wide_linear
 
         def rollout(flags):
             engine.in_major_weights, engine.onednn_linears = flags[:2]
-            cpu_gemm.OUT_MAJOR_MAX_ROWS = head_rows if flags[2] else 0  # the LM head at 2-4 rows on [out, in]
+            # the LM head at few rows on [out, in]: megarl._cpu's kernel at 2-32 rows, else MKL at 2-4
+            cpu_gemm.OUT_MAJOR_MAX_ROWS = head_rows if flags[2] else 0
+            cpu_kernels.wide_linear = wide_kernel if flags[2] else (lambda: None)
             t0, c0 = time.perf_counter(), time.process_time()
             r = engine.generate(batch["prompt_ids"], params, seed=1)
             return time.perf_counter() - t0, time.process_time() - c0, r
 
-        variants = {"[in, out], oneDNN; the head at 2-4 rows MKL on [out, in] (megarl's CPU default)": (True, True, True),
+        variants = {"[in, out], oneDNN; the head at few rows on [out, in] (megarl's default on an AMD CPU)":
+                        (True, True, True),
                     "[in, out], oneDNN": (True, True, False),
+                    "[in, out], MKL; the head at few rows on [out, in] (megarl's default elsewhere)": (True, False, True),
                     "[in, out], MKL": (True, False, False),
                     "[out, in] (megatron-core's stored layout), MKL": (False, False, False)}
         out = {name: rollout(flag)[2] for name, flag in variants.items()}  # warm-up; the samples compared
@@ -86,6 +90,7 @@ def main():
                 wall[name].append(w)
                 cpu[name].append(c)
                 decode[name].append(r.stats["decode_s"])
+        cpu_gemm.OUT_MAJOR_MAX_ROWS, cpu_kernels.wide_linear = head_rows, wide_kernel
         if args.score:
             scoring = score_ab(stage, args.reps)
 
@@ -122,7 +127,8 @@ def score_ab(stage, reps):
 
     exp, _ = stage.generate(0, PhaseClock(stage.phases))
     reference = stage.all_roles["reference"]
-    variants = {"oneDNN (megarl's CPU default)": True, "MKL": False}
+    variants = {"oneDNN (megarl's default on an AMD CPU)": True, "MKL (megarl's default elsewhere)": False}
+    default = reference.onednn_linears
 
     def score(flag):
         reference.onednn_linears = flag
@@ -135,7 +141,7 @@ def score_ab(stage, reps):
     for _ in range(reps):
         for name, flag in variants.items():
             cpu[name].append(score(flag)[0])
-    reference.onednn_linears = True
+    reference.onednn_linears = default
     first = next(iter(ref.values()))
     return {name: (cpu[name], float((ref[name] - first).abs().max())) for name in variants}
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_helpers import run_distributed
-from megarl.models.cpu_gemm import HalfGemmsInFp32, _onednn_forward_impl, fp32_for_half, onednn_available
+from megarl.models.cpu_gemm import HalfGemmsInFp32, _cpu_forward_impl, fp32_for_half, onednn_available, onednn_pays
 from megarl.ops.fused_head import fp32_gemm_mode
 
 HALF = [torch.bfloat16, torch.float16]
@@ -252,7 +252,7 @@ def test_onednn_linear_equals_a_float64_product(rows, in_major, with_bias):
     bias = torch.randn(80, generator=g) if with_bias else None
     calls = []
     with torch.no_grad():
-        y = _onednn_forward_impl(_fake_megatron_impl(calls))(
+        y = _cpu_forward_impl(_fake_megatron_impl(calls))(
             input=x, weight=w, bias=bias, gradient_accumulation_fusion=False, allreduce_dgrad=False,
             sequence_parallel=False, tp_group=None, grad_output_buffer=None)
     ref = x.double() @ w.double().t() + (bias.double() if with_bias else 0)
@@ -262,7 +262,7 @@ def test_onednn_linear_equals_a_float64_product(rows, in_major, with_bias):
 
 def test_onednn_linear_leaves_everything_else_to_megatron():
     calls = []
-    impl = _onednn_forward_impl(_fake_megatron_impl(calls))
+    impl = _cpu_forward_impl(_fake_megatron_impl(calls))
     w = torch.randn(8, 4, requires_grad=True)
     kw = dict(bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False, tp_group=None, grad_output_buffer=None)
     impl(input=torch.randn(3, 1, 4), weight=w, sequence_parallel=False, **kw)  # autograd on: training
@@ -286,9 +286,9 @@ def _wide_kernel():
 @pytest.mark.parametrize("kernel", ["megarl", None])
 def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel, monkeypatch):
     """The LM head at few rows reads the [out, in] tensor generation kept: megarl._cpu's
-    wide_linear at 3-24 rows (where built and the CPU has AVX-512), MKL's (W @ x.T).T at 2 (and at
-    3-4 without the kernel); at more rows, without that tensor, or on a narrower weight it runs
-    oneDNN; every result equal to float64."""
+    wide_linear at 2-32 rows (where built and the CPU has AVX-512), MKL's (W @ x.T).T at 2-4 rows
+    without the kernel; at more rows, without that tensor, or on a narrower weight it runs oneDNN;
+    every result equal to float64."""
     from megarl.models import cpu_gemm, cpu_kernels
 
     real = _wide_kernel()
@@ -305,7 +305,7 @@ def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel,
     kw = dict(gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False, tp_group=None,
               grad_output_buffer=None)
     calls = []
-    impl = _onednn_forward_impl(_fake_megatron_impl(calls), {id(w): stored, id(narrow): narrow.data})
+    impl = _cpu_forward_impl(_fake_megatron_impl(calls), {id(w): stored, id(narrow): narrow.data})
 
     def libraries(rows, weight, b=None, run=impl):
         x = torch.randn(rows, 1, 40, generator=g)
@@ -320,13 +320,32 @@ def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel,
             "megarl" if len(kernel_calls) > before else "")
 
     if kernel:
-        assert [libraries(r, w, bias) for r in (2, 3, 4, 5, 8, 24, 25)] == ["MKL"] + ["megarl"] * 5 + ["oneDNN"]
-        assert kernel_calls == [3, 4, 5, 8, 24]
+        assert [libraries(r, w, bias) for r in (2, 3, 4, 5, 8, 32, 33)] == ["megarl"] * 6 + ["oneDNN"]
+        assert kernel_calls == [2, 3, 4, 5, 8, 32]
     else:
         assert [libraries(r, w, bias) for r in (2, 3, 4, 5, 8)] == ["MKL"] * 3 + ["oneDNN"] * 2
     assert libraries(3, narrow) == "oneDNN"  # not wide: oneDNN wins there
-    assert libraries(3, w, bias, _onednn_forward_impl(_fake_megatron_impl(calls))) == "oneDNN"  # no [out, in] kept
+    assert libraries(3, w, bias, _cpu_forward_impl(_fake_megatron_impl(calls))) == "oneDNN"  # no [out, in] kept
     assert calls == []
+    # without oneDNN (an Intel CPU): the kernel where it runs, megatron's own path (MKL) for the rest
+    no_onednn = _cpu_forward_impl(_fake_megatron_impl(calls), {id(w): stored, id(narrow): narrow.data}, onednn=False)
+    rows = (2, 3, 32, 33)
+    assert [libraries(r, w, bias, no_onednn) for r in rows] == (
+        ["megarl"] * 3 + ["MKL"] if kernel else ["MKL"] * 4)
+    assert libraries(3, narrow, None, no_onednn) == "MKL"
+    assert len(calls) == (2 if kernel else 5)  # megatron's path: 33 rows and the narrow weight (+ 2-32 without the kernel)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n", True),
+    ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n", False),
+    ("processor\t: 0\nCPU implementer\t: 0x41\n", False),  # an Arm CPU: no vendor_id line
+])
+def test_onednn_routes_only_on_an_amd_cpu(tmp_path, text, expected):
+    info = tmp_path / "cpuinfo"
+    info.write_text(text)
+    assert onednn_pays(str(info)) == (expected and onednn_available())
+    assert onednn_pays(str(tmp_path / "missing")) is False
 
 
 @pytest.mark.skipif(_wide_kernel() is None, reason="megarl._cpu.wide_linear needs the built extension and AVX-512")

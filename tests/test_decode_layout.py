@@ -1,5 +1,5 @@
 """CPU generation reads each linear's weight from [in, out] memory (models/decode_layout.py) and
-runs its GEMMs of 2+ rows through oneDNN, the LM head's at 3-24 rows through megarl._cpu where built
+runs its GEMMs of 2+ rows through oneDNN, the LM head's at 2-32 rows through megarl._cpu where built
 (models/cpu_gemm.py; the routed GEMM itself is tested in
 tests/test_cpu_gemm.py): which weights switch and which linears are routed, that they come back
 untouched (optimizer buffers included, exceptions included), and that generation is the same
@@ -21,7 +21,7 @@ def _body(rank, world_size):
     from megarl.runtime.distributed import init_distributed, teardown
 
     init_distributed(1, 1, seed=3)
-    kernel, kernel_calls = cpu_kernels.wide_linear(), [0]  # megarl._cpu's head GEMM at 3-24 rows, where built
+    kernel, kernel_calls = cpu_kernels.wide_linear(), [0]  # megarl._cpu's head GEMM at 2-32 rows, where built
     cpu_kernels.wide_linear = lambda: kernel and (lambda x, w: kernel_calls.__setitem__(0, kernel_calls[0] + 1)
                                                   or kernel(x, w))
     g = torch.Generator().manual_seed(7)
@@ -57,10 +57,10 @@ def _body(rank, world_size):
         restored_after_error = restored()
 
         linears = [m for m in gpt.modules() if type(m).__name__ in ("ColumnParallelLinear", "RowParallelLinear")]
-        with cpu_gemm.onednn_linears(role.chunks) as routed:
+        with cpu_gemm.cpu_linears(role.chunks, onednn=True) as routed:
             routed_inside = all("_forward_impl" in vars(m) for m in linears)
         try:
-            with cpu_gemm.onednn_linears(role.chunks):
+            with cpu_gemm.cpu_linears(role.chunks, onednn=True):
                 raise KeyError("inside")
         except KeyError:
             pass
@@ -68,12 +68,12 @@ def _body(rank, world_size):
 
         plain = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, in_major_weights=False, onednn_linears=False)
         mkl = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=False)
-        fast = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD)
+        fast = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=True)
         greedy = SamplingParams(greedy=True, max_new_tokens=10)
         sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=10)
         runs, onednn_calls, head_mkl_calls, head_kernel_calls = [], [], [], []
-        for e, wide in ((plain, None), (mkl, None), (fast, None), (fast, VOCAB)):
-            # wide: the head counts as wide (models/cpu_gemm.py), so 2-24 rows read its [out, in] tensor
+        for e, wide in ((plain, None), (mkl, None), (fast, None), (fast, VOCAB), (mkl, VOCAB)):
+            # wide: the head counts as wide (models/cpu_gemm.py), so 2-32 rows read its [out, in] tensor
             cpu_gemm.OUT_MAJOR_MIN_OUT, default_wide = wide or cpu_gemm.OUT_MAJOR_MIN_OUT, cpu_gemm.OUT_MAJOR_MIN_OUT
             kernel_calls[0] = 0
             try:
@@ -124,8 +124,8 @@ def test_every_linear_switches_and_comes_back_untouched(result, tied):
 @pytest.mark.parametrize("tied", [False, True])
 def test_generation_is_the_same_model_in_either_layout_and_library(result, tied):
     r = result[tied]
-    assert r["greedy"][0] == r["greedy"][1] == r["greedy"][2] == r["greedy"][3]
-    assert r["sampled"][0] == r["sampled"][1] == r["sampled"][2] == r["sampled"][3]  # keyed draws, fp32 rounding
+    assert all(g == r["greedy"][0] for g in r["greedy"]) and len(r["greedy"]) == 5
+    assert all(s == r["sampled"][0] for s in r["sampled"])  # keyed draws, fp32 rounding
     assert 0.0 <= r["logprob_diff"] < 1e-4, r["logprob_diff"]
 
 
@@ -134,17 +134,21 @@ def test_every_linear_is_routed_to_onednn_and_comes_back(result, tied):
     r = result[tied]
     assert r["linears"] == 2 * 4 + 1  # qkv, proj, fc1, fc2 per layer and the LM head (tied: handed the embedding)
     assert r["routed"] == r["linears"] and r["routed_inside"] and r["routed_after"] == 0
-    plain, mkl, fast, wide = r["onednn_calls"]
-    assert plain == mkl == 0
+    plain, mkl, fast, wide, mkl_wide = r["onednn_calls"]
+    assert plain == mkl == mkl_wide == 0
     # every linear of every forward with 2+ rows: at most the prefill and 9 decode steps of each of
     # the 4-row greedy and 12-row sampled batches (rows left alone at the end go MKL's path)
     assert r["linears"] * 10 <= fast <= r["linears"] * 20, r["onednn_calls"]
-    # a wide head: its forwards of 2-24 rows leave oneDNN for the [out, in] tensor: megarl._cpu's
-    # kernel from 3 rows where it runs, MKL at 2 (and at 3-4 without the kernel)
+    # a wide head: its forwards of 2-32 rows leave oneDNN for the [out, in] tensor: megarl._cpu's
+    # kernel where it runs, else MKL at 2-4 rows
     mkl_calls, kernel_calls = r["head_mkl_calls"], r["head_kernel_calls"]
     assert mkl_calls[2] == 0 and kernel_calls[:3] == [0, 0, 0], (mkl_calls, kernel_calls)
     assert (kernel_calls[3] > 0) == r["kernel"] and mkl_calls[3] + kernel_calls[3] > 0, (mkl_calls, kernel_calls)
+    if r["kernel"]:
+        assert mkl_calls[3] == 0, mkl_calls
     assert wide == fast - mkl_calls[3] - kernel_calls[3], r["onednn_calls"]
+    # without oneDNN (the default on an Intel CPU) the wide head still runs the kernel, and only it
+    assert kernel_calls[4] == kernel_calls[3] and mkl_calls[4] == 0, (mkl_calls, kernel_calls)
 
 
 def test_bf16_weights_stay_in_their_layout(result):

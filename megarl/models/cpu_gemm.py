@@ -1,26 +1,32 @@
-"""GEMMs on a CPU: fp32 no-grad linears through oneDNN; bf16/fp16 GEMMs optionally through fp32
-sgemm, rounded once (train.cpu_half_gemm).
+"""GEMMs on a CPU: which library runs fp32 no-grad linears, megarl._cpu's kernel for the LM head
+at few rows; bf16/fp16 GEMMs optionally through fp32 sgemm, rounded once (train.cpu_half_gemm).
 
 fp32 linears without autograd (generation, scoring). MKL's sgemm (what `torch.matmul` runs) and
 oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`, in every x86 torch build)
-compute the same product up to summation order. At decode sizes oneDNN reading the [in, out]
-memory the rollout gives the weights (models/decode_layout.py) took 0.7-1.0x of MKL's time on an
-AMD EPYC (Zen 4) from 2 to 64 rows (the 32k-word LM head at 64 rows: 22 against 32 ms), and 2x
-longer at 1 row, where MKL's matrix-vector product wins; at scoring sizes (thousands of rows,
-the stored [out, in] memory) 0.8-1.0x
-(docs/benchmarks.md, `bench/bench_decode_layout.py`, `bench/bench_gemm_floor.py`).
-`onednn_linears(chunks)` routes the local GEMM of every megatron-core linear through oneDNN for a
-block, where it has >= 2 rows, fp32 CPU operands, no autograd and no sequence-parallel gather;
-everything else takes megatron-core's own path. Training keeps megatron's autograd function
-(its backward, gradient accumulation fusion and main_grad). One exception: a wide weight (the LM
-head, >= OUT_MAJOR_MIN_OUT outputs) at 2-4 rows, where MKL's `(W @ x.T).T` on the stored [out, in]
-memory took 0.5-0.85x of oneDNN's time (32k x 512 and 152k x 256 heads; at 6+ rows and on narrower
-weights it is no faster, and at 1 row MKL's matrix-vector product on [in, out] memory wins); it
-runs there when generation kept that tensor (`out_major`, from models/decode_layout.py). From 3
-to 24 rows, where this CPU has AVX-512 and megarl._cpu is built, the wide weight's GEMM runs
-megarl's own kernel on that [out, in] memory instead (csrc/cpu_wide_linear.cpp: the weight
-streamed once with a prefetch ahead; 0.6-0.8x of the best library's time at the 152k x 256 head,
-docs/benchmarks.md).
+compute the same product up to summation order, and which is faster depends on the CPU
+(docs/benchmarks.md, `bench/bench_decode_layout.py`, `bench/bench_gemm_floor.py`). On an AMD
+EPYC (Zen 4), oneDNN reading the [in, out] memory the rollout gives the weights
+(models/decode_layout.py) took 0.7-1.0x of MKL's time from 2 to 64 rows (the 32k-word LM head
+at 64 rows: 22 against 32 ms; at 1 row MKL's matrix-vector product wins), and 0.8-1.0x at
+scoring sizes (thousands of rows, the stored [out, in] memory). On an Intel Xeon with AMX it is
+the other way round: MKL on the [in, out] memory took 0.25-0.8x of oneDNN's time at 2-64 rows
+and 0.9-1.0x at 1,280. So `cpu_linears(chunks)` routes the local GEMM of every megatron-core
+linear through oneDNN for a block only where `onednn_pays()` (an AMD CPU), where it has >= 2
+rows, fp32 CPU operands, no autograd and no sequence-parallel gather; everything else takes
+megatron-core's own path (MKL). Training keeps megatron's autograd function (its backward,
+gradient accumulation fusion and main_grad).
+
+The LM head at few rows is a different GEMM: a wide weight (>= OUT_MAJOR_MIN_OUT outputs, a
+vocabulary shard) read whole for a handful of rows, bound by memory. From 2 to 32 rows, where
+the CPU has AVX-512 and megarl._cpu is built, it runs megarl's own kernel on the [out, in]
+tensor generation kept (`out_major`, from models/decode_layout.py; csrc/cpu_wide_linear.cpp:
+the weight streamed once with a prefetch ahead), on any vendor. At the 152k x 256 head it took
+0.6-0.9x of the best library's time at 3-32 rows on the EPYC and on the Xeon; at 2 rows 1.1x of
+MKL's `(W @ x.T).T` on the EPYC but 0.44x on the Xeon, where that MKL path is as slow as at 16
+rows. 1 row stays with MKL's matrix-vector product (0.95-1.0x of the kernel on both). Where the
+kernel is missing and oneDNN is routed, the wide weight's GEMM at 2-4 rows runs MKL's
+`(W @ x.T).T` on the [out, in] tensor (0.5-0.85x of oneDNN's time on the EPYC; 1.3x on the
+Xeon, which does not route).
 
 A half-precision GEMM on a CPU multiplies half inputs, accumulates in fp32 and rounds the result
 to half once. The product of two bf16 (or fp16) numbers is exact in fp32 (8 + 8 or 11 + 11
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -155,23 +162,45 @@ def half_gemms_in_fp32(chunks, enabled: bool):
     return HalfGemmsInFp32(params) if params else contextlib.nullcontext()
 
 
-# ---------------------------------------------------------------- fp32 linears through oneDNN
+# ---------------------------------------------------------------- fp32 no-grad linears: oneDNN, the head's kernel
 
 ONEDNN_MIN_ROWS = 2  # below this MKL's matrix-vector product is faster (module docstring)
-OUT_MAJOR_MAX_ROWS = 4  # up to this many rows, a wide weight's GEMM reads its [out, in] memory
+OUT_MAJOR_MAX_ROWS = 4  # without the kernel, up to this many rows a wide weight's GEMM reads its [out, in] memory
 OUT_MAJOR_MIN_OUT = 16384  # "wide": an LM head (a vocabulary shard), not a layer's linear
-WIDE_KERNEL_ROWS = (3, 24)  # megarl._cpu.wide_linear's rows on the wide weights (module docstring)
+WIDE_KERNEL_ROWS = (2, 32)  # megarl._cpu.wide_linear's rows on the wide weights (module docstring)
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _onednn_forward_impl(megatron_impl, out_major=None):
+@functools.cache
+def onednn_pays(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether no-grad fp32 linears should leave MKL for oneDNN on this machine: on an AMD CPU.
+
+    Measured per linear, fp32, 1 thread (docs/benchmarks.md): on an AMD EPYC (Zen 4) oneDNN took
+    0.7-1.0x of MKL's time at decode sizes (2-64 rows) and 0.8-1.0x at scoring sizes; on an Intel
+    Xeon with AMX, MKL on the weights' [in, out] memory took 0.25-0.8x of oneDNN's time at 2-64
+    rows (oneDNN's per-call cost dominates at few rows) and 0.9-1.0x at 1,280 rows. MKL is Intel's
+    library, so elsewhere (Intel, other architectures, an unreadable `cpuinfo`) torch's own path
+    stays."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip() == "AuthenticAMD" and onednn_available()
+    except OSError:
+        pass
+    return False
+
+
+def _cpu_forward_impl(megatron_impl, out_major=None, onednn: bool = True):
     """A linear's `_forward_impl` (megatron-core calls it with keywords: input, weight, bias,
-    sequence_parallel, and the backward's settings) that runs the local GEMM through oneDNN where
-    it pays, and megatron's own implementation everywhere else. out_major: {id(weight): the same
-    values in [out, in] memory} for the wide weights' GEMMs of 2-24 rows (module docstring)."""
+    sequence_parallel, and the backward's settings) that runs a wide weight's GEMM at 2-32 rows
+    through megarl._cpu's kernel (out_major: {id(weight): the same values in [out, in] memory}),
+    with `onednn` every other local GEMM of 2+ rows through oneDNN (a wide weight's at 2-4 rows
+    through MKL on its [out, in] memory where the kernel is missing), and megatron's own
+    implementation everywhere else (module docstring)."""
     kernel = cpu_kernels.wide_linear() if out_major else None  # megarl._cpu.wide_linear, or None
 
     def forward_impl(input, weight, bias=None, sequence_parallel=False, **kwargs):
@@ -179,10 +208,13 @@ def _onednn_forward_impl(megatron_impl, out_major=None):
         if (sequence_parallel or torch.is_grad_enabled() or rows < ONEDNN_MIN_ROWS
                 or input.device.type != "cpu" or input.dtype != torch.float32 or weight.dtype != torch.float32):
             return megatron_impl(input=input, weight=weight, bias=bias, sequence_parallel=sequence_parallel, **kwargs)
-        x = input.reshape(rows, input.shape[-1]).contiguous()  # [rows, in]
         wide = out_major.get(id(weight)) if out_major and weight.shape[0] >= OUT_MAJOR_MIN_OUT else None
-        if (wide is not None and kernel is not None and WIDE_KERNEL_ROWS[0] <= rows <= WIDE_KERNEL_ROWS[1]
-                and wide.is_contiguous()):
+        use_kernel = (wide is not None and kernel is not None and WIDE_KERNEL_ROWS[0] <= rows <= WIDE_KERNEL_ROWS[1]
+                      and wide.is_contiguous())
+        if not (use_kernel or onednn):
+            return megatron_impl(input=input, weight=weight, bias=bias, sequence_parallel=sequence_parallel, **kwargs)
+        x = input.reshape(rows, input.shape[-1]).contiguous()  # [rows, in]
+        if use_kernel:
             out = kernel(x, wide)  # [rows, out]: megarl's kernel streams the [out, in] memory once
         elif wide is not None and rows <= OUT_MAJOR_MAX_ROWS:  # MKL streams the [out, in] memory once
             out = torch.mm(wide, x.t()).t().contiguous()  # [rows, out]
@@ -197,16 +229,18 @@ def _onednn_forward_impl(megatron_impl, out_major=None):
 
 
 @contextlib.contextmanager
-def onednn_linears(chunks, enabled: bool = True, out_major=None):
-    """Inside the block (when `enabled` and the chunks are on a CPU), every megatron-core linear
-    with an fp32 weight runs no-grad GEMMs of >= ONEDNN_MIN_ROWS rows through oneDNN, wide ones
-    of up to OUT_MAJOR_MAX_ROWS rows through MKL on `out_major`'s tensor where it has one (module
-    docstring); on exit (exception included) each gets megatron's implementation back. Yields
-    the number of linears routed."""
+def cpu_linears(chunks, onednn: bool | None = None, out_major=None):
+    """Inside the block, when the chunks are on a CPU, every megatron-core linear with an fp32
+    weight runs its no-grad GEMMs as `_cpu_forward_impl` says: `onednn` (default: where
+    `onednn_pays()`) routes them through oneDNN from ONEDNN_MIN_ROWS rows, and `out_major`'s
+    wide weights (the LM head, from models/decode_layout.py) run megarl._cpu's kernel at
+    WIDE_KERNEL_ROWS rows (module docstring). On exit (exception included) each gets
+    megatron's implementation back. Yields the number of linears routed (0: nothing to change)."""
     routed = []
     try:
         on_cpu = all(p.device.type == "cpu" for c in chunks for p in c.parameters())
-        if enabled and on_cpu and onednn_available():
+        onednn = onednn_pays() if onednn is None else onednn and onednn_available()
+        if on_cpu and (onednn or (out_major and cpu_kernels.wide_linear() is not None)):
             from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
             linears = (ColumnParallelLinear, RowParallelLinear)
@@ -216,7 +250,7 @@ def onednn_linears(chunks, enabled: bool = True, out_major=None):
                     # weight None: a tied LM head, handed the embedding's weight per call
                     if (isinstance(module, linears) and "_forward_impl" not in vars(module)
                             and (w is None or w.dtype == torch.float32)):
-                        module._forward_impl = _onednn_forward_impl(module._forward_impl, out_major)
+                        module._forward_impl = _cpu_forward_impl(module._forward_impl, out_major, onednn)
                         routed.append(module)
         yield len(routed)
     finally:

@@ -11,7 +11,7 @@ so nothing is switched there.
 
 Cost: a second copy of the switched weights for the duration of the call (the [out, in] tensors
 are kept to be put back untouched, views into megatron's parameter buffers included).
-The GEMM library those linears use while generating is models/cpu_gemm.py's `onednn_linears`.
+The GEMM library those linears use while generating is models/cpu_gemm.py's `cpu_linears`.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def in_major_weights(chunks, enabled: bool = True):
     """Inside the block, each switchable weight holds the same values with [in, out] memory
     (`w.t()` contiguous); on exit (exception included) every weight gets its own tensor back.
     Yields {id(weight): its own [out, in] tensor} of the weights switched (kept anyway, to be put
-    back; models/cpu_gemm.py reads the LM head's at 2-4 rows). For no-grad forwards only
+    back; models/cpu_gemm.py reads the LM head's at 2-32 rows). For no-grad forwards only
     (generation)."""
     swapped = []
     try:

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from megarl.config.schema import FP8Config, LRScheduleConfig, ModelConfig, OptimConfig, ParallelConfig
-from megarl.models.cpu_gemm import fp32_for_half, half_gemms_in_fp32, onednn_linears
+from megarl.models.cpu_gemm import cpu_linears, fp32_for_half, half_gemms_in_fp32, onednn_pays
 from megarl.models.gpt import build_model
 from megarl.optim import build_optimizer, build_scheduler
 from megarl.runtime.distributed import broadcast_from_last_stage, device, dp_means
@@ -52,7 +52,7 @@ class Role:
         self.name, self.model_cfg, self.head, self.precision = name, model_cfg, head, precision
         self.cpu_half_gemm = cpu_half_gemm  # train.cpu_half_gemm: how half GEMMs run on a CPU
         self.half_gemms_fp32 = fp32_for_half(cpu_half_gemm, device())
-        self.onednn_linears = True  # fp32 forward-only linears on a CPU through oneDNN (models/cpu_gemm.py)
+        self.onednn_linears = onednn_pays()  # fp32 forward-only linears on an AMD CPU through oneDNN (models/cpu_gemm.py)
         self.parallel = parallel
         self.optimizer = self.scheduler = None
         self.accumulating = False  # gradients of a step are in the buffers, not yet applied
@@ -146,9 +146,9 @@ class Role:
         for c in self.chunks:
             c.train(not forward_only and not collect)
         # train.cpu_half_gemm=fp32 with bf16 weights on a CPU: the GEMMs (backward included) run in fp32, rounded once;
-        # fp32 weights on a CPU, forward only (scoring, evaluation): the linears' GEMMs run through oneDNN
+        # fp32 weights on an AMD CPU, forward only (scoring, evaluation): the linears' GEMMs run through oneDNN
         with (torch.set_grad_enabled(not forward_only), half_gemms_in_fp32(self.chunks, self.half_gemms_fp32),
-              onednn_linears(self.chunks, forward_only and self.onednn_linears)):
+              cpu_linears(self.chunks, forward_only and self.onednn_linears)):
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(microbatches), model=self.chunks,
                 num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,

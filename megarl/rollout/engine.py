@@ -102,7 +102,7 @@ class MegatronRolloutEngine(RolloutEngine):
     def __init__(self, role, *, vocab_size: int, pad_id: int, decode: Callable[[list[int]], str] | None = None,
                  max_batch_size: int = 64, max_seq_len: int | None = None, pp_microbatches: int | None = None,
                  compact: bool = True, tools: Toolbox | None = None, encode: Callable[[str], list[int]] | None = None,
-                 in_major_weights: bool = True, onednn_linears: bool = True, cpu_half_gemm: str | None = None):
+                 in_major_weights: bool = True, onednn_linears: bool | None = None, cpu_half_gemm: str | None = None):
         """role: a megarl Role (or its model, possibly DDP / Float16Module wrapped) with an LM head.
         vocab_size: the true vocabulary (padded columns are never sampled).
         max_batch_size: rows per KV cache (micro-batch); the cache is freed after each.
@@ -117,10 +117,11 @@ class MegatronRolloutEngine(RolloutEngine):
             call (models/decode_layout.py: 1.1-2x faster decode GEMMs; one more copy of those
             weights while generating). No effect on GPU or for bf16 weights.
         onednn_linears: on CPU, fp32 linears of 2+ rows run through oneDNN's inner product instead
-            of MKL's sgemm during the call (models/cpu_gemm.py: 0.7-1.0x the GEMM time at
-            decode sizes on the CPU measured), except the LM head's at 2-4 rows, which runs MKL
-            on its stored [out, in] tensor when in_major_weights kept it (0.5-0.85x of oneDNN).
-            No effect on GPU or for bf16 weights.
+            of MKL's sgemm during the call; default: on an AMD CPU (`cpu_gemm.onednn_pays()`:
+            0.7-1.0x the GEMM time at decode sizes on an AMD EPYC, 1.3-4x on an Intel Xeon).
+            Either way the LM head's GEMM at 2-32 rows runs megarl._cpu's kernel on its stored
+            [out, in] tensor when in_major_weights kept it and the kernel runs here
+            (models/cpu_gemm.py). No effect on GPU or for bf16 weights.
         cpu_half_gemm: how bf16/fp16 GEMMs run on CPU (train.cpu_half_gemm, models/cpu_gemm.py);
             default: the role's setting, else "native" (torch's half kernels)."""
         self.chunks = _model_chunks(role)
@@ -140,7 +141,7 @@ class MegatronRolloutEngine(RolloutEngine):
         self.tools = tools if tools is not None and tools.tools else None
         self.encode = encode
         self.in_major_weights = bool(in_major_weights)
-        self.onednn_linears = bool(onednn_linears)
+        self.onednn_linears = cpu_gemm.onednn_pays() if onednn_linears is None else bool(onednn_linears)
         self.half_gemms_fp32 = cpu_gemm.fp32_for_half(
             cpu_half_gemm or getattr(role, "cpu_half_gemm", "native"), self.device)
         if self.tools is not None and (decode is None or encode is None):
@@ -169,7 +170,7 @@ class MegatronRolloutEngine(RolloutEngine):
             stats["tool_s"] = 0.0
         with (_inference_mode(self.chunks, self.gpt),
               decode_layout.in_major_weights(self.chunks, self.in_major_weights) as out_major,
-              cpu_gemm.onednn_linears(self.chunks, self.onednn_linears, out_major),
+              cpu_gemm.cpu_linears(self.chunks, self.onednn_linears, out_major),
               cpu_gemm.half_gemms_in_fp32(self.chunks, self.half_gemms_fp32)):
             for b0 in range(0, N, self.max_batch_size):
                 batch = order[b0: b0 + self.max_batch_size]
