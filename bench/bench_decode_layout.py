@@ -1,9 +1,10 @@
 """CPU benchmark: one RL step's rollout with the linears' weights read in [in, out] memory and
-their GEMMs run by oneDNN, the LM head's at 2-32 rows by megarl._cpu's kernel (without it, at 2-4
-rows by MKL) on its stored [out, in] memory (megarl's default on CPU, models/decode_layout.py and cpu_gemm.py), against oneDNN alone, the
-[in, out] memory with MKL's sgemm (torch.matmul) and megatron-core's stored [out, in] with MKL;
-with --score, also the step's reference scoring with the forward-only linears through oneDNN
-(megarl's default) and through MKL.
+their GEMMs run by oneDNN or by MKL, the LM head's at few rows on its stored [out, in] memory
+(megarl._cpu's kernel at 2-32 rows; without it, MKL at 2-4 rows with oneDNN) or not, and
+megatron-core's stored [out, in] with MKL. megarl's default on CPU (models/decode_layout.py and
+cpu_gemm.py) is the [in, out] memory, the head's kernel, and oneDNN on an AMD CPU, MKL elsewhere;
+the summary compares this machine's default with the others. With --score, also the step's
+reference scoring with the forward-only linears through oneDNN and through MKL.
 
     python bench/bench_decode_layout.py [--workload realistic|default] [--reps 3] [--threads 1] [--score]
 
@@ -103,11 +104,14 @@ def main():
         print(f"| {name} | {min(wall[name]):.2f} | {statistics.median(wall[name]):.2f} | {min(cpu[name]):.2f} "
               f"| {statistics.median(cpu[name]):.2f} | {statistics.median(decode[name]):.2f} |")
     names = list(variants)
-    print()
-    for name in names[1:]:
-        same = sum(x == y for x, y in zip(out[names[0]].responses(), out[name].responses()))
-        print(f"megarl's default / {name}: {min(cpu[names[0]]) / min(cpu[name]):.2f}x best, "
-              f"{statistics.median(cpu[names[0]]) / statistics.median(cpu[name]):.2f}x median (CPU-s); "
+    mine = names[0] if cpu_gemm.onednn_pays() else names[2]  # megarl's default on this CPU
+    print(f"\nmegarl's default on this CPU ({'AMD: oneDNN' if mine == names[0] else 'not AMD: MKL'}): {mine}")
+    for name in names:
+        if name == mine:
+            continue
+        same = sum(x == y for x, y in zip(out[mine].responses(), out[name].responses()))
+        print(f"megarl's default / {name}: {min(cpu[mine]) / min(cpu[name]):.2f}x best, "
+              f"{statistics.median(cpu[mine]) / statistics.median(cpu[name]):.2f}x median (CPU-s); "
               f"samples identical to the default's: {same}/{len(lens[0])} rows")
     print("mean response length " + " / ".join(f"{x.mean():.1f}" for x in lens)
           + f" tokens; decode steps {max(r.stats['forwards'] for r in out.values()) - 1}")
