@@ -20,7 +20,7 @@ second; the kernel's output is checked against SDPA's.
 sampling: 8 x 8 rows x 128 tokens, or the realistic 2 x 8 rows of 40-200 + up to 1,024
 tokens), with the kernel and with SDPA in turn, same seed, interleaved; CPU-s per generate call,
 and whether the two sampled the same tokens. `--ab head` compares the same way megarl._cpu's
-LM-head GEMM at 3-24 rows (csrc/cpu_wide_linear.cpp, models/cpu_gemm.py) against MKL / oneDNN.
+LM-head GEMM at 2-32 rows (csrc/cpu_wide_linear.cpp, models/cpu_gemm.py) against MKL / oneDNN.
 """
 import argparse
 import os
@@ -183,7 +183,7 @@ def rollout_ab(args) -> None:
           f"{args.reps} interleaved reps (mean response {lens[mine]:.0f} tokens with the kernel, "
           f"{lens[theirs]:.0f} with {theirs}; sampled tokens identical in {same} of {len(rollouts[mine].tokens)} "
           f"rows, log-probs before any first difference within {lp_err:.1e})\n")
-    print(f"| {'decode attention' if args.ab == 'attention' else 'LM head at 3-24 rows'} | best CPU-s | median CPU-s |")
+    print(f"| {'decode attention' if args.ab == 'attention' else 'LM head at 2-32 rows'} | best CPU-s | median CPU-s |")
     print("|---|---|---|")
     for name, ts in times.items():
         print(f"| {name} | {min(ts):.2f} | {statistics.median(ts):.2f} |")
