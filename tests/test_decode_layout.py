@@ -65,6 +65,18 @@ def _body(rank, world_size):
         except KeyError:
             pass
         routed_after = sum("_forward_impl" in vars(m) for m in linears)
+        # without oneDNN (an Intel CPU) only a wide weight (the head; tied: handed per call) can take
+        # the kernel: the layers keep megatron's path. At the default width and at one that makes
+        # fc1 (192 outputs) count as wide too, not qkv (128) nor the head (VOCAB padded to 128).
+        routed_no_onednn = []
+        for wide in (cpu_gemm.OUT_MAJOR_MIN_OUT, 150):
+            cpu_gemm.OUT_MAJOR_MIN_OUT, default_wide = wide, cpu_gemm.OUT_MAJOR_MIN_OUT
+            try:
+                with cpu_gemm.cpu_linears(role.chunks, onednn=False, out_major={-1: None}) as n_routed:
+                    routed_no_onednn.append((n_routed, sorted(n.rsplit(".", 1)[-1] for n, m in gpt.named_modules()
+                                                              if "_forward_impl" in vars(m))))
+            finally:
+                cpu_gemm.OUT_MAJOR_MIN_OUT = default_wide
 
         plain = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, in_major_weights=False, onednn_linears=False)
         mkl = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=False)
@@ -88,6 +100,7 @@ def _body(rank, world_size):
                                       and len(ev.input_shapes[0]) == 2 and ev.input_shapes[0][0] >= VOCAB
                                       and ev.input_shapes[0][1] == mc.hidden_size))
         out[tied] = dict(linears=len(linears), routed=routed, routed_inside=routed_inside, routed_after=routed_after,
+                         routed_no_onednn=routed_no_onednn,
                          onednn_calls=onednn_calls, head_mkl_calls=head_mkl_calls,
                          head_kernel_calls=head_kernel_calls, kernel=kernel is not None,
                          storages=len({w.untyped_storage().data_ptr() for w in weights}),
@@ -134,6 +147,13 @@ def test_every_linear_is_routed_to_onednn_and_comes_back(result, tied):
     r = result[tied]
     assert r["linears"] == 2 * 4 + 1  # qkv, proj, fc1, fc2 per layer and the LM head (tied: handed the embedding)
     assert r["routed"] == r["linears"] and r["routed_inside"] and r["routed_after"] == 0
+    # without oneDNN only the wide (or tied) weights are wrapped, and only where the kernel is built
+    head = ["output_layer"] if tied else []
+    expected = [head, sorted(["linear_fc1"] * 2 + head)]
+    if not r["kernel"]:
+        expected = [[], []]
+    assert [names for _, names in r["routed_no_onednn"]] == expected
+    assert all(n == len(names) for n, names in r["routed_no_onednn"])
     plain, mkl, fast, wide, mkl_wide = r["onednn_calls"]
     assert plain == mkl == mkl_wide == 0
     # every linear of every forward with 2+ rows: at most the prefill and 9 decode steps of each of

@@ -235,7 +235,8 @@ def cpu_linears(chunks, onednn: bool | None = None, out_major=None):
     `onednn_pays()`) routes them through oneDNN from ONEDNN_MIN_ROWS rows, and `out_major`'s
     wide weights (the LM head, from models/decode_layout.py) run megarl._cpu's kernel at
     WIDE_KERNEL_ROWS rows (module docstring). On exit (exception included) each gets
-    megatron's implementation back. Yields the number of linears routed (0: nothing to change)."""
+    megatron's implementation back. Yields the number of linears routed (0: nothing to change;
+    without oneDNN only the wide or tied weights are routed)."""
     routed = []
     try:
         on_cpu = all(p.device.type == "cpu" for c in chunks for p in c.parameters())
@@ -247,9 +248,12 @@ def cpu_linears(chunks, onednn: bool | None = None, out_major=None):
             for chunk in chunks:
                 for module in chunk.modules():
                     w = getattr(module, "weight", None)
-                    # weight None: a tied LM head, handed the embedding's weight per call
+                    # weight None: a tied LM head, handed the embedding's weight per call. Without
+                    # oneDNN only a wide (or tied) weight can take the kernel: the layers' linears
+                    # keep megatron's path without a wrapper call in between.
                     if (isinstance(module, linears) and "_forward_impl" not in vars(module)
-                            and (w is None or w.dtype == torch.float32)):
+                            and (w is None or (w.dtype == torch.float32
+                                               and (onednn or w.shape[0] >= OUT_MAJOR_MIN_OUT)))):
                         module._forward_impl = _cpu_forward_impl(module._forward_impl, out_major, onednn)
                         routed.append(module)
         yield len(routed)
