@@ -4,7 +4,8 @@
 
 namespace megarl_cpu {
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                            const c10::optional<at::Tensor>& masked, double scale);
+                            const c10::optional<at::Tensor>& masked, double scale,
+                            const c10::optional<at::Tensor>& prefix_rows, int64_t prefix_len);
 at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w);
 bool wide_linear_supported();
 }  // namespace megarl_cpu
@@ -12,7 +13,8 @@ bool wide_linear_supported();
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &megarl_cpu::decode_attention,
         "softmax(q K^T * scale) V of one query token per row over a KV cache", pybind11::arg("query"),
-        pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("masked"), pybind11::arg("scale"));
+        pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("masked"), pybind11::arg("scale"),
+        pybind11::arg("prefix_rows") = pybind11::none(), pybind11::arg("prefix_len") = 0);
   m.def("wide_linear", &megarl_cpu::wide_linear, "x w^T for a few rows x [R, h] and a wide weight w [V, h], fp32",
         pybind11::arg("x"), pybind11::arg("w"));
   m.def("wide_linear_supported", &megarl_cpu::wide_linear_supported,

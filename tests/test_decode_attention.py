@@ -114,6 +114,44 @@ def test_masked_positions_are_never_read():
 
 
 @needs_kernel
+@pytest.mark.parametrize("d,dtype", [(64, torch.float32), (40, torch.float32), (128, torch.bfloat16)])
+def test_shared_prompt_reads_are_the_same_bits_from_the_leading_row(d, dtype):
+    """prefix_rows: rows read their first prefix_len positions from their group's first row. Where
+    the rows hold copies of the same prompt (as the engine's do) the result is bitwise that of
+    reading each row's own copy; with every other row's copy poisoned it still is, so those
+    positions are read from the leading row only."""
+    from megarl.models.decode_attention import decode_attention
+
+    b, n, g, s_max, s, P = 12, 4, 2, 60, 45, 17
+    q, k, v, _ = _case(b, n, g, d, s_max, s, None, seed=d)
+    q, k, v = q.to(dtype), k.to(dtype).clone(), v.to(dtype).clone()
+    leaders = torch.tensor([0, 0, 0, 3, 4, 4, 4, 4, 8, 8, 10, 10])  # groups of 3, 1, 4, 2, 2 rows
+    for x in (k, v):
+        x[:, :, :P] = x[leaders, :, :P]  # the engine's copies of each group's prompt
+    pads = torch.tensor([3, 0, 5, 9])[leaders % 4]  # a group's rows share its prompt's left padding
+    masked = torch.arange(s)[None, :] < pads[:, None]  # [b, s]
+    mask = masked[:, None, None, :]
+    own = decode_attention(q, k, v, mask, scale=0.125)
+    shared = decode_attention(q, k, v, mask, scale=0.125, prefix_rows=leaders, prefix_len=P)
+    assert torch.equal(own, shared)
+    poisoned = leaders != torch.arange(b)
+    for x in (k, v):
+        x[poisoned, :, :P] = float("nan")
+    assert torch.equal(decode_attention(q, k, v, mask, scale=0.125, prefix_rows=leaders, prefix_len=P), own)
+    reads_prompt = poisoned & ~masked[:, :P].all(1)  # rows whose prompt is not all left padding
+    assert reads_prompt.sum() == 7
+    assert torch.isnan(decode_attention(q, k, v, mask, scale=0.125)[reads_prompt]).all()  # own copies: read
+
+
+def test_run_leaders():
+    from megarl.rollout.engine import _run_leaders
+
+    runs = torch.tensor([0, 0, 0, 1, 2, 2, 5, 5, 5, 7])
+    assert _run_leaders(runs).tolist() == [0, 0, 0, 3, 4, 4, 6, 6, 6, 9]
+    assert _run_leaders(torch.tensor([4])).tolist() == [0]
+
+
+@needs_kernel
 def test_bad_inputs_raise_one_line_errors():
     op = _kernel()
     q, k, v, _ = _case(2, 4, 2, 64, 10, 10, None, seed=1)
@@ -123,6 +161,12 @@ def test_bad_inputs_raise_one_line_errors():
         op(q[:, :, 0], k, v, torch.zeros(2, 10), 0.1)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         op(q[:, :, 0].double(), k.double(), v.double(), None, 0.1)
+    with pytest.raises(RuntimeError, match=r"prefix_rows\[1\] = 2 is not a row of the cache"):
+        op(q[:, :, 0], k, v, None, 0.1, torch.tensor([0, 2]), 4)
+    with pytest.raises(RuntimeError, match="prefix_rows must be a contiguous int64"):
+        op(q[:, :, 0], k, v, None, 0.1, torch.tensor([0, 0], dtype=torch.int32), 4)
+    with pytest.raises(RuntimeError, match=r"prefix_len 11 outside \[0, 10\]"):
+        op(q[:, :, 0], k, v, None, 0.1, torch.tensor([0, 0]), 11)
 
 
 def test_autograd_and_disabled_kernels_are_left_to_sdpa(monkeypatch):
@@ -176,11 +220,24 @@ def _engine_body(rank, world_size):
 
     da.cpu_kernel = lambda: counted
     with_kernel = engine.generate(prompts, params, seed=9)
+    # the samples of a prompt read it from their group's first row (and again after rows finish
+    # and leave the cache: ids below 30 stop a row), or each from its own copy: the same bits
+    stopping = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, stop_ids=tuple(range(1, 30)))
+    shared_calls = []
+    da.cpu_kernel = lambda: lambda *a: shared_calls.append(len(a) > 5) or kernel(*a)
+    shared = [engine.generate(prompts, p, seed=9) for p in (params, stopping)]
+    engine.shared_prompt_reads = False
+    own = [engine.generate(prompts, p, seed=9) for p in (params, stopping)]
+    engine.shared_prompt_reads = True
     da.cpu_kernel = lambda: None  # SDPA
     with_sdpa = engine.generate(prompts, params, seed=9)
     da.cpu_kernel = real
     return {"calls": calls[0], "tokens": torch.equal(with_kernel.tokens, with_sdpa.tokens),
-            "lp_err": (with_kernel.logprobs - with_sdpa.logprobs).abs().max().item()}
+            "lp_err": (with_kernel.logprobs - with_sdpa.logprobs).abs().max().item(),
+            "shared_equal": all(torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+                                for a, b in zip(shared, own)),
+            "shared_calls": sum(shared_calls), "own_calls": len(shared_calls) - sum(shared_calls),
+            "compactions": shared[1].stats["compactions"]}
 
 
 @needs_kernel
@@ -189,3 +246,6 @@ def test_rollout_with_the_kernel_equals_rollout_on_sdpa():
     assert out["calls"] >= 3 * 9, out  # every layer of every decode step (9 steps after the prefill)
     assert out["tokens"], "sampled tokens differ between the kernel and SDPA"
     assert out["lp_err"] < 1e-5, out
+    assert out["shared_equal"], "reading a shared prompt from its group's first row changed the samples"
+    assert out["compactions"] >= 1 and out["shared_calls"] >= 2 * 3 * 9, out  # both runs: every layer, every step
+    assert out["own_calls"] >= 2 * 3 * 9, out  # engine.shared_prompt_reads = False

@@ -202,7 +202,10 @@ def self_attention_class():
             """Static-batching KV cache of rotated keys, layout [B, g, S, d] per layer.
 
             Positions are the cache offsets (as in megatron-core's static inference): the
-            engine's left padding stays exact because RoPE is relative.
+            engine's left padding stays exact because RoPE is relative. A context that carries
+            `prefix_rows` ([b] long) and `prefix_len` (the rollout engine's, when the samples of
+            a prompt share it) lets the decode kernel read each row's first prefix_len positions
+            from the first row of its group, which holds the same values.
             """
             sq, b, n, d = query.shape
             start, b0 = ctx.sequence_len_offset, ctx.batch_size_offset
@@ -222,7 +225,9 @@ def self_attention_class():
             if mask is None and sq > 1 and start > 0:  # chunked prefill: causal, bottom-right aligned
                 mask = torch.ones(sq, end, dtype=torch.bool, device=query.device).triu_(start + 1)
             query, scale = query.permute(1, 2, 0, 3), self._softmax_scale(d)  # [b, n, sq, d]
-            out = decode_attention(query, keys, values, mask, scale=scale) if sq == 1 else None  # megarl._cpu
+            prefix_rows = getattr(ctx, "prefix_rows", None) if b0 == 0 else None
+            out = decode_attention(query, keys, values, mask, scale=scale, prefix_rows=prefix_rows,
+                                   prefix_len=getattr(ctx, "prefix_len", 0)) if sq == 1 else None  # megarl._cpu
             if out is None:  # prefill, GPUs, or no kernel
                 out = sdpa(query, keys, values, mask, causal=start == 0 and sq > 1, scale=scale)
             return out.permute(2, 0, 1, 3).reshape(sq, b, n * d)

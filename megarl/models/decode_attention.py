@@ -7,6 +7,12 @@ value once per KV head, for every query head that shares it. `decode_attention` 
 CPU fp32/bf16 tensors outside autograd and returns None everywhere else (GPUs, a missing build,
 MEGARL_DISABLE_KERNELS=1), where attention.py runs SDPA. Same maths as SDPA up to fp32
 summation order and exp rounding.
+
+The kernel's reads are bound by memory (11-12 GB/s on one core of the benchmarks' CPUs). The
+n samples of a prompt hold copies of its keys and values; with `prefix_rows` each row reads those
+positions from its group's first row instead, which the rows before it in the same step have just
+brought into the L2 cache: the same values, so the same bits (docs/benchmarks.md: 0.55 s of a
+9.9 s default generate phase, 0.8 s of a 33 s realistic one).
 """
 from __future__ import annotations
 
@@ -22,10 +28,13 @@ def cpu_kernel():
 
 
 def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
-                     scale: float) -> Tensor | None:
+                     scale: float, prefix_rows: Tensor | None = None, prefix_len: int = 0) -> Tensor | None:
     """query [b, n, 1, d]; key, value [b, g, sk, d] (views of the cache: unit stride over d);
     mask: None or bool broadcastable to [b, 1, 1, sk], True = masked (megatron's convention).
     -> [b, n, 1, d]. Heads share KV heads as SDPA's enable_gqa does (head h reads h // (n // g)).
+    prefix_rows: None or long [b]: row i reads its positions < prefix_len from row prefix_rows[i],
+    which holds the same keys and values there (the samples of one prompt: the rows of a group
+    read the prompt from one row's memory, found in the CPU's cache; the result is the same bits).
     None when the kernel cannot take these inputs: the caller runs SDPA."""
     op = cpu_kernel() if query.device.type == "cpu" else None
     # what the kernel takes; anything else (its own checks never fire from here) is left to SDPA
@@ -44,4 +53,7 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | N
         return None
     sk = key.shape[2]
     masked = None if mask is None else mask.expand(b, 1, 1, sk)[:, 0, 0, :]  # [b, sk], a view
-    return op(query[:, :, 0], key, value, masked, scale).unsqueeze(2)
+    if prefix_rows is None or not 0 < prefix_len <= sk or prefix_rows.shape != (b,):
+        return op(query[:, :, 0], key, value, masked, scale).unsqueeze(2)
+    return op(query[:, :, 0], key, value, masked, scale, prefix_rows.to("cpu", torch.long).contiguous(),
+              prefix_len).unsqueeze(2)

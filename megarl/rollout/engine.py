@@ -142,6 +142,9 @@ class MegatronRolloutEngine(RolloutEngine):
         self.encode = encode
         self.in_major_weights = bool(in_major_weights)
         self.onednn_linears = cpu_gemm.onednn_pays() if onednn_linears is None else bool(onednn_linears)
+        # decode steps read a shared prompt's cached keys and values from the first row of its
+        # group (the same values; models/decode_attention.py); False reads every row's own copy
+        self.shared_prompt_reads = True
         self.half_gemms_fp32 = cpu_gemm.fp32_for_half(
             cpu_half_gemm or getattr(role, "cpu_half_gemm", "native"), self.device)
         if self.tools is not None and (decode is None or encode is None):
@@ -234,6 +237,9 @@ class MegatronRolloutEngine(RolloutEngine):
         # One prefill per prompt: the n samples of a prompt are consecutive rows (the order is
         # sorted stably by length), so each run of equal rows is prefilled once and its KV entries
         # are copied to the run's rows before the first token is sampled (per row, as before).
+        # Decode steps then read a run's first P positions from its first row (ctx.prefix_rows,
+        # models/attention.py): the same values, read once per run from memory, then from the
+        # CPU's cache for the run's other rows.
         first, expand = _prompt_runs(prompts)  # [U] prefilled rows, [B] -> index of the row's run
         ctx = StaticInferenceContext(len(first), S)
         ctx.materialize_only_last_token_logits = True
@@ -249,6 +255,8 @@ class MegatronRolloutEngine(RolloutEngine):
                     ids, lps = self._step(step_tokens[u], positions[u], mask[u], ctx, params, seed, sample_ids, t,
                                           expand=expand)  # [B]
                     _compact_cache(ctx, expand.to(dev))  # [U] -> [B] cache rows: a prompt's keys to its samples
+                    if self.shared_prompt_reads:  # positions < P: the prompt, the same in every row of a run
+                        ctx.prefix_rows, ctx.prefix_len = _run_leaders(expand), P
                 else:
                     ids, lps = self._step(step_tokens, positions, mask, ctx, params, seed, sample_ids[active], t)  # [A]
                 offset += step_tokens.shape[1]
@@ -291,6 +299,8 @@ class MegatronRolloutEngine(RolloutEngine):
                     keep = torch.nonzero(alive).flatten()  # finished rows leave the cache: less work per step
                     _compact_cache(ctx, keep.to(dev))
                     active, ids, key_pad, pads = active[keep], ids[keep], key_pad[keep.to(dev)], pads[keep.to(dev)]
+                    if getattr(ctx, "prefix_rows", None) is not None:
+                        ctx.prefix_rows = _run_leaders(expand[active])
                     stats["compactions"] += 1
                 step_tokens = torch.where(done[active], self.pad_id, ids).to(dev)[:, None]  # [A, 1]
                 mask = key_pad[:, None, None, : offset + 1]  # [A, 1, 1, sk]: the new token sees all real keys
@@ -503,6 +513,15 @@ def _cpu_shim_suspended():
     from megarl.runtime import cpu_compat
 
     return torch._C.DisableTorchFunction() if cpu_compat.is_enabled() else contextlib.nullcontext()
+
+
+def _run_leaders(run: torch.Tensor) -> torch.Tensor:
+    """[A] run index of each cache row (a run's rows are consecutive) -> [A] the first cache row
+    of each row's run: where its prompt's keys and values are read from in a decode step."""
+    idx = torch.arange(len(run))
+    starts = torch.ones(len(run), dtype=torch.bool)
+    starts[1:] = run[1:] != run[:-1]
+    return torch.cummax(torch.where(starts, idx, 0), dim=0).values
 
 
 def _prompt_runs(prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
