@@ -7,6 +7,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, cons
                             const c10::optional<at::Tensor>& masked, double scale,
                             const c10::optional<at::Tensor>& prefix_rows, int64_t prefix_len);
 at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w);
+std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, const at::Tensor& uniforms,
+                                               double temperature, int64_t block);
 bool wide_linear_supported();
 }  // namespace megarl_cpu
 
@@ -17,6 +19,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("prefix_rows") = pybind11::none(), pybind11::arg("prefix_len") = 0);
   m.def("wide_linear", &megarl_cpu::wide_linear, "x w^T for a few rows x [R, h] and a wide weight w [V, h], fp32",
         pybind11::arg("x"), pybind11::arg("w"));
+  m.def("sample_rows", &megarl_cpu::sample_rows,
+        "one token per row by inverse CDF over softmax(logits / temperature), and its log-prob",
+        pybind11::arg("logits"), pybind11::arg("uniforms"), pybind11::arg("temperature"), pybind11::arg("block"));
   m.def("wide_linear_supported", &megarl_cpu::wide_linear_supported,
         "whether this CPU runs wide_linear (AVX-512)");
 }

@@ -27,31 +27,10 @@
 
 namespace {
 
+using megarl_cpu::exp_nonpositive;
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
-// exp(x) for x <= 0 (a score minus its row's max), within ~2 ulp of expf; plain arithmetic so
-// that the loop around it vectorises: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its degree-7
-// Taylor polynomial (relative error < 1e-8 there), times 2^n built in the exponent bits.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38: still a normal float
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float n = (x * 1.44269504088896341f + shifter) - shifter;
-  float r = x - n * 0.693145751953125f;  // ln2 in two parts: r stays exact
-  r = r - n * 1.42860682030941723212e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // A row of d values into the cache ahead of its use.
 template <typename T>
@@ -141,12 +120,6 @@ inline __attribute__((always_inline)) void attend_block(const float* q, Rows<T> 
   }
 }
 
-// One clone per instruction set (AVX-512, AVX2 + FMA, baseline), picked once at load time.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define MEGARL_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define MEGARL_CLONES
-#endif
 
 template <typename T>
 inline __attribute__((always_inline)) void attend_any(const float* q, Rows<T> k, Rows<T> k_next, Rows<T> v, int64_t P,

@@ -1,6 +1,7 @@
 """Lazy handle on megarl._cpu, the optional CPU kernels (csrc/cpu_*.cpp, built by setup.py
 wherever a C++ compiler is): decode attention over the KV cache (models/decode_attention.py) and
-the LM head's GEMM at decode sizes (models/cpu_gemm.py). Imported on first use; when it cannot be
+the LM head's GEMM at decode sizes (models/cpu_gemm.py) and the decode step's draw
+(rollout/sampling.py). Imported on first use; when it cannot be
 used (no build, MEGARL_DISABLE_KERNELS=1) the reason is logged once and the callers run torch.
 """
 from __future__ import annotations

@@ -5,6 +5,14 @@ hash of (seed, global sample id of r, t), and the token is drawn by inverse CDF 
 vocabulary in id order. So a sample depends only on its own logits and its key, never on the
 batch it was generated in, the micro-batching, or the TP/PP layout (up to fp rounding of the
 logits), and DP ranks draw different samples by passing different sample ids.
+
+On a CPU, fp32 logits are drawn by megarl._cpu's `sample_rows` where it is built
+(csrc/cpu_sampling.cpp): the same two-level inverse CDF in two read-only passes over each row
+instead of about seven passes of torch ops (0.4x of their time at 16 rows of a 152k
+vocabulary, 0.2x at 64 rows, docs/benchmarks.md). Its exponentials and fp32 block sums round
+differently from torch's, so a draw whose uniform falls within rounding of a token boundary may
+pick the neighbouring token; which path runs is fixed per machine (the build), so runs and
+resumes on one machine draw alike.
 """
 from __future__ import annotations
 
@@ -104,6 +112,10 @@ def sample_tokens(filtered: torch.Tensor, params: SamplingParams, uniforms: torc
     """
     if params.greedy and not with_logprobs:
         return filtered.argmax(dim=-1), None
+    op = None if params.greedy else cpu_sampler(filtered)
+    if op is not None:  # megarl._cpu: the same draw and log-prob in two passes (module docstring)
+        ids, lp = op(filtered, uniforms.to(torch.float64).contiguous(), float(params.temperature), _CDF_BLOCK)
+        return ids, (lp if with_logprobs else None)
     z = filtered.float() if params.temperature == 1.0 else filtered.float() / params.temperature
     zmax = z.amax(dim=-1, keepdim=True)  # [N, 1]
     e = _exp_below_max(z, zmax)  # [N, V]
@@ -116,6 +128,17 @@ def sample_tokens(filtered: torch.Tensor, params: SamplingParams, uniforms: torc
         return ids, None
     lp = (z.gather(-1, ids[:, None]) - zmax).squeeze(-1) - torch.log(total).float()
     return ids, lp
+
+
+def cpu_sampler(filtered: torch.Tensor):
+    """megarl._cpu.sample_rows where it takes `filtered` (fp32 [N, V] on the CPU, unit stride
+    over V) and is built (models/cpu_kernels.py; not under MEGARL_DISABLE_KERNELS=1), else None."""
+    if (filtered.device.type != "cpu" or filtered.dtype != torch.float32 or filtered.dim() != 2
+            or filtered.shape[1] == 0 or filtered.stride(1) != 1):
+        return None
+    from megarl.models import cpu_kernels
+
+    return getattr(cpu_kernels.load(), "sample_rows", None)
 
 
 _CDF_BLOCK = 2048  # vocabulary ids per block of the two-level inverse CDF
