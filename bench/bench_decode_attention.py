@@ -1,7 +1,8 @@
 """CPU benchmark: one decode step's attention over the KV cache, megarl's kernel vs torch SDPA.
 
     python bench/bench_decode_attention.py [--reps 7] [--threads 1] [--quick]
-    python bench/bench_decode_attention.py --rollout default|realistic [--ab attention|head] [--reps 3]
+    python bench/bench_decode_attention.py --rollout default|realistic [--ab attention|head|prefix|sampler]
+                                           [--reps 3] [--prompts N]
 
 Per shape, `layers` separate caches of [rows, kv_heads, max_len, d] fp32 (the engine's layout)
 are filled with random values, and one decode step is timed: a query of one token per row
@@ -20,7 +21,11 @@ second; the kernel's output is checked against SDPA's.
 sampling: 8 x 8 rows x 128 tokens, or the realistic 2 x 8 rows of 40-200 + up to 1,024
 tokens), with the kernel and with SDPA in turn, same seed, interleaved; CPU-s per generate call,
 and whether the two sampled the same tokens. `--ab head` compares the same way megarl._cpu's
-LM-head GEMM at 2-32 rows (csrc/cpu_wide_linear.cpp, models/cpu_gemm.py) against MKL / oneDNN.
+LM-head GEMM at 2-32 rows (csrc/cpu_wide_linear.cpp, models/cpu_gemm.py) against MKL / oneDNN;
+`--ab prefix` the kernel reading each prompt's cached positions from its group's first row
+(`prefix_rows`, the engine's default) against every row reading its own copy; `--ab sampler`
+megarl._cpu's draw (csrc/cpu_sampling.cpp, rollout/sampling.py) against torch's ops.
+--prompts: prompts of the replayed batch (default 8, realistic 2), 8 samples each.
 """
 import argparse
 import os
@@ -51,8 +56,10 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="two small shapes, 2 reps: a smoke run")
     ap.add_argument("--rollout", choices=("default", "realistic"), help="time bench_rl_step.py's generate phase")
-    ap.add_argument("--ab", choices=("attention", "head"), default="attention",
-                    help="--rollout: the kernel compared (decode attention, or the LM head's GEMM)")
+    ap.add_argument("--ab", choices=("attention", "head", "prefix", "sampler"), default="attention",
+                    help="--rollout: the kernel compared (decode attention, the LM head's GEMM, shared prompt "
+                         "reads in decode attention, the draw)")
+    ap.add_argument("--prompts", type=int, help="--rollout: prompts of the batch (default 8; realistic 2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from megarl.models.decode_attention import cpu_kernel, decode_attention
@@ -135,6 +142,7 @@ def rollout_ab(args) -> None:
     import tempfile
 
     import megarl.models.decode_attention as da
+    import megarl.rollout.sampling as sampling
     from megarl.models import cpu_kernels
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -148,19 +156,29 @@ def rollout_ab(args) -> None:
         for k, v in rl.REALISTIC.items():
             setattr(w, k, v)
         w.prompts, w.packing = 2, "on"
+    w.prompts = args.prompts or w.prompts
     w.prompt_min = 40 if args.rollout == "realistic" else w.prompt_len
     w.max_pos = max(256, w.prompt_len + w.new_tokens)
-    cpu_kernel, wide_linear = da.cpu_kernel, cpu_kernels.wide_linear
+    cpu_kernel, wide_linear, cpu_sampler = da.cpu_kernel, cpu_kernels.wide_linear, sampling.cpu_sampler
     if args.ab == "head" and wide_linear() is None:
         sys.exit("megarl._cpu.wide_linear does not run here (not built, or no AVX-512)")
-    variants = ({"megarl kernel": lambda: setattr(da, "cpu_kernel", cpu_kernel),
-                 "SDPA": lambda: setattr(da, "cpu_kernel", lambda: None)}
-                if args.ab == "attention" else
-                {"megarl kernel": lambda: setattr(cpu_kernels, "wide_linear", wide_linear),
-                 "MKL / oneDNN": lambda: setattr(cpu_kernels, "wide_linear", lambda: None)})
+    if args.ab == "sampler" and getattr(cpu_kernels.load(), "sample_rows", None) is None:
+        sys.exit("megarl._cpu.sample_rows is not built here")
+    engine = []  # the stage's engine, once built
+    variants = {
+        "attention": {"megarl kernel": lambda: setattr(da, "cpu_kernel", cpu_kernel),
+                      "SDPA": lambda: setattr(da, "cpu_kernel", lambda: None)},
+        "head": {"megarl kernel": lambda: setattr(cpu_kernels, "wide_linear", wide_linear),
+                 "MKL / oneDNN": lambda: setattr(cpu_kernels, "wide_linear", lambda: None)},
+        "prefix": {"shared prompt reads": lambda: setattr(engine[0], "shared_prompt_reads", True),
+                   "own copies": lambda: setattr(engine[0], "shared_prompt_reads", False)},
+        "sampler": {"megarl kernel": lambda: setattr(sampling, "cpu_sampler", cpu_sampler),
+                    "torch ops": lambda: setattr(sampling, "cpu_sampler", lambda filtered: None)},
+    }[args.ab]
     with tempfile.TemporaryDirectory(prefix="bench_decode_attention_") as work:
         model_dir, prompts_file = rl.build_assets(w, work)
         stage = rl.build_megarl(w, model_dir, prompts_file, work)
+        engine.append(stage.engine)
         calls = []  # the first step's generate arguments, replayed
         generate = stage.engine.generate
         stage.engine.generate = lambda *a, **k: calls.append((a, k)) or generate(*a, **k)
@@ -176,18 +194,21 @@ def rollout_ab(args) -> None:
                 r = generate(*a, **k)
                 times[name].append(time.process_time() - c0)
                 lens[name], rollouts[name] = r.response_lens.float().mean().item(), r
-        da.cpu_kernel, cpu_kernels.wide_linear = cpu_kernel, wide_linear
+        da.cpu_kernel, cpu_kernels.wide_linear, sampling.cpu_sampler = cpu_kernel, wide_linear, cpu_sampler
+        stage.engine.shared_prompt_reads = True
     (mine, theirs) = variants
     same, lp_err = same_samples(rollouts[mine], rollouts[theirs])
     print(f"\n## Generate phase of bench_rl_step.py --workload {args.rollout}, fp32, {args.threads} thread(s), "
-          f"{args.reps} interleaved reps (mean response {lens[mine]:.0f} tokens with the kernel, "
+          f"{w.prompts} x 8 rows, {args.reps} interleaved reps (mean response {lens[mine]:.0f} tokens with {mine}, "
           f"{lens[theirs]:.0f} with {theirs}; sampled tokens identical in {same} of {len(rollouts[mine].tokens)} "
           f"rows, log-probs before any first difference within {lp_err:.1e})\n")
-    print(f"| {'decode attention' if args.ab == 'attention' else 'LM head at 2-32 rows'} | best CPU-s | median CPU-s |")
+    what = {"attention": "decode attention", "head": "LM head at 2-32 rows", "prefix": "decode attention's reads",
+            "sampler": "the draw"}[args.ab]
+    print(f"| {what} | best CPU-s | median CPU-s |")
     print("|---|---|---|")
     for name, ts in times.items():
         print(f"| {name} | {min(ts):.2f} | {statistics.median(ts):.2f} |")
-    print(f"\nkernel / {theirs}: {min(times[mine]) / min(times[theirs]):.3f}x best, "
+    print(f"\n{mine} / {theirs}: {min(times[mine]) / min(times[theirs]):.3f}x best, "
           f"{statistics.median(times[mine]) / statistics.median(times[theirs]):.3f}x median")
 
 

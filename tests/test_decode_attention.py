@@ -232,12 +232,28 @@ def _engine_body(rank, world_size):
     da.cpu_kernel = lambda: None  # SDPA
     with_sdpa = engine.generate(prompts, params, seed=9)
     da.cpu_kernel = real
+    # at PP 1 the CPU shim's TorchFunctionMode is off for the whole call, bookkeeping included
+    from megarl.runtime import cpu_compat
+
+    shim_calls, cls = [0], type(cpu_compat._mode)
+    original = cls.__torch_function__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        shim_calls[0] += 1
+        return original(self, func, types, args, kwargs)
+
+    cls.__torch_function__ = counting
+    try:
+        torch.zeros(1) + 1  # counted: the shim is on outside generate
+        engine.generate(prompts, stopping, seed=9)
+    finally:
+        cls.__torch_function__ = original
     return {"calls": calls[0], "tokens": torch.equal(with_kernel.tokens, with_sdpa.tokens),
             "lp_err": (with_kernel.logprobs - with_sdpa.logprobs).abs().max().item(),
             "shared_equal": all(torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
                                 for a, b in zip(shared, own)),
             "shared_calls": sum(shared_calls), "own_calls": len(shared_calls) - sum(shared_calls),
-            "compactions": shared[1].stats["compactions"]}
+            "compactions": shared[1].stats["compactions"], "shim_calls": shim_calls[0]}
 
 
 @needs_kernel
@@ -249,3 +265,4 @@ def test_rollout_with_the_kernel_equals_rollout_on_sdpa():
     assert out["shared_equal"], "reading a shared prompt from its group's first row changed the samples"
     assert out["compactions"] >= 1 and out["shared_calls"] >= 2 * 3 * 9, out  # both runs: every layer, every step
     assert out["own_calls"] >= 2 * 3 * 9, out  # engine.shared_prompt_reads = False
+    assert out["shim_calls"] == 4, out  # torch.zeros and + outside, no_grad's enter and exit; nothing inside

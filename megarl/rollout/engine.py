@@ -157,6 +157,12 @@ class MegatronRolloutEngine(RolloutEngine):
                  sample_offset: int = 0) -> Rollout:
         params.validate()
         self._check_prompts(prompts, params)
+        # PP 1: no schedule asks for a "cuda" device, so the CPU shim is off for the whole call
+        # (the bookkeeping around the forwards included), not only for each forward
+        with _cpu_shim_suspended() if self.config.pipeline_model_parallel_size == 1 else contextlib.nullcontext():
+            return self._generate(prompts, params, seed, sample_offset)
+
+    def _generate(self, prompts, params, seed, sample_offset):
         n = params.n
         rows = [list(map(int, prompts[r // n])) for r in range(len(prompts) * n)]
         N = len(rows)
@@ -509,7 +515,8 @@ def _model_parallel_group():
 def _cpu_shim_suspended():
     """Without the pipeline schedule nothing in a forward asks for a "cuda" device, so the
     CPU shim's TorchFunctionMode (megarl.runtime.cpu_compat), which wraps every torch call, is
-    switched off for the step: ~10% of a decode step on CPU. A no-op where the shim is off (GPU)."""
+    switched off for the step (~10% of a decode step on CPU) or, at PP 1, for the whole
+    generate call (~30 calls of bookkeeping per decode step). A no-op where the shim is off (GPU)."""
     from megarl.runtime import cpu_compat
 
     return torch._C.DisableTorchFunction() if cpu_compat.is_enabled() else contextlib.nullcontext()
