@@ -195,6 +195,21 @@ def test_autograd_and_disabled_kernels_are_left_to_sdpa(monkeypatch):
         assert da.decode_attention(q, k, v, masked[:, None, None, :], scale=0.125) is None
 
 
+def test_a_build_older_than_the_checkout_is_not_used(monkeypatch, caplog):
+    """A megarl._cpu built before a binding this checkout calls (an old .so left in place) is
+    treated as missing, with the reason logged, instead of failing at the first call."""
+    import types
+
+    from megarl.models import cpu_kernels
+
+    stale = types.SimpleNamespace(decode_attention=None, wide_linear=None, wide_linear_supported=lambda: True)
+    monkeypatch.setattr(cpu_kernels, "_module", cpu_kernels._UNLOADED)
+    monkeypatch.setattr(cpu_kernels, "import_kernels", lambda name: (stale, ""))
+    with caplog.at_level("INFO", logger="megarl.models"):
+        assert cpu_kernels.load() is None and cpu_kernels.wide_linear() is None
+    assert "lacks sample_rows" in caplog.text and "rebuild" in caplog.text
+
+
 def _engine_body(rank, world_size):
     import megarl.models.decode_attention as da
     from megarl.config import ModelConfig, ParallelConfig

@@ -14,6 +14,9 @@ logger = logging.getLogger("megarl.models")
 
 _UNLOADED = object()
 _module = _UNLOADED  # megarl._cpu, or None when it cannot be used here
+# What this checkout's csrc/cpu_*.cpp bind: a build without one of them is older than the Python
+# code calling it (decode_attention's prefix_rows came with sample_rows), and is not used.
+_BINDS = ("decode_attention", "wide_linear", "wide_linear_supported", "sample_rows")
 
 
 def load():
@@ -21,6 +24,10 @@ def load():
     global _module
     if _module is _UNLOADED:
         _module, reason = import_kernels("megarl._cpu")
+        missing = [name for name in _BINDS if _module is not None and not hasattr(_module, name)]
+        if missing:
+            _module, reason = None, (f"the built megarl._cpu lacks {', '.join(missing)}: older than this checkout "
+                                     "(rebuild: pip install --no-build-isolation -e .)")
         if _module is None:
             logger.info("megarl: CPU kernels unavailable (%s); using torch's SDPA and GEMMs", reason)
     return _module

@@ -11,8 +11,9 @@ summation order and exp rounding.
 The kernel's reads are bound by memory (11-12 GB/s on one core of the benchmarks' CPUs). The
 n samples of a prompt hold copies of its keys and values; with `prefix_rows` each row reads those
 positions from its group's first row instead, which the rows before it in the same step have just
-brought into the L2 cache: the same values, so the same bits (docs/benchmarks.md: 0.55 s of a
-9.9 s default generate phase, 0.8 s of a 33 s realistic one).
+brought into the L2 cache: the same values, so the same bits (docs/benchmarks.md: 5% of the
+default workload's generate phase, 2-3% of the realistic one's at 8 x 8 rows, nothing
+measurable at 2 x 8).
 """
 from __future__ import annotations
 
