@@ -120,7 +120,6 @@ inline __attribute__((always_inline)) void attend_block(const float* q, Rows<T> 
   }
 }
 
-
 template <typename T>
 inline __attribute__((always_inline)) void attend_any(const float* q, Rows<T> k, Rows<T> k_next, Rows<T> v, int64_t P,
                                                       int64_t s_stride, const bool* masked, int64_t mask_stride,

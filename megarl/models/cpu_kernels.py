@@ -29,7 +29,7 @@ def load():
             _module, reason = None, (f"the built megarl._cpu lacks {', '.join(missing)}: older than this checkout "
                                      "(rebuild: pip install --no-build-isolation -e .)")
         if _module is None:
-            logger.info("megarl: CPU kernels unavailable (%s); using torch's SDPA and GEMMs", reason)
+            logger.info("megarl: CPU kernels unavailable (%s); using torch's SDPA, GEMMs and sampling ops", reason)
     return _module
 
 
