@@ -8,8 +8,9 @@ fused output layer (megarl.ops.linear_logprobs_and_entropy) vs output layer + op
 
 --head: hidden [T, h] and the output weight [V, h] go to per-token log-prob + entropy, either
 "unfused" (F.linear -> [T, V] logits -> logprobs_and_entropy, as RL scores and trains today)
-or "fused" (chunked, no logits), and "fused-lp" (fused, log-probs only: what RL
-scores and trains without an entropy bonus). fwd = scoring (no grad), fwd+bwd = training (grad
+or "fused" (chunked, no logits), "fused-lp" (fused, log-probs only: what RL
+scores without an entropy bonus) and "fused-loss" (the loss inside the op, its gradient taken
+chunk by chunk in the forward: how RL trains, `linear_token_loss`). fwd = scoring (no grad), fwd+bwd = training (grad
 of hidden and weight). Besides the RSS figure, the op's own allocations are counted by the torch
 profiler (profile_memory: every CPU allocation and free; "alloc peak" is the highest running
 sum, "allocs" the number of allocations). "% of logits" compares with one fp32 [T, V] tensor;
@@ -81,7 +82,7 @@ def head_child(impl, shape, dtype, mode, what, reps, threads):
     import torch
     import torch.nn.functional as F
 
-    from megarl.ops import linear_logprobs_and_entropy, logprobs_and_entropy
+    from megarl.ops import linear_logprobs_and_entropy, linear_token_loss, logprobs_and_entropy
 
     if threads:
         torch.set_num_threads(threads)
@@ -100,6 +101,8 @@ def head_child(impl, shape, dtype, mode, what, reps, threads):
         fused_head._workspace = lambda x, elems: None
 
     def fn(x, tt):
+        if impl == "fused-loss":  # the loss inside the op (as RL trains): (loss, lp, ent)
+            return linear_token_loss(x, weight, tt, lambda pos, lp, ent: lp.sum() + ent.sum(), with_entropy=True)
         if impl in ("fused", "fused-lp", "fused-fresh"):  # fused-lp: log-probs only, as RL without an entropy bonus
             return linear_logprobs_and_entropy(x, weight, tt, with_entropy=impl != "fused-lp")
         return logprobs_and_entropy(F.linear(x, weight), tt)
@@ -108,8 +111,12 @@ def head_child(impl, shape, dtype, mode, what, reps, threads):
         x = hidden[:rows]
         if bwd:
             hidden.grad = weight.grad = None
-            lp, ent = fn(x, t[:rows])
-            (lp.sum() + (ent.sum() if ent is not None else 0.0)).backward()
+            out = fn(x, t[:rows])
+            if impl == "fused-loss":
+                out[0].backward()
+            else:
+                lp, ent = out
+                (lp.sum() + (ent.sum() if ent is not None else 0.0)).backward()
         else:
             with torch.no_grad():
                 fn(x, t[:rows])
@@ -184,14 +191,15 @@ def main():
     ap.add_argument("--head", action="store_true", help="fused output layer vs output layer + op; "
                     "--shapes are TxVxh (default 1024x152064x64,16384x152064x64)")
     ap.add_argument("--max-gib", type=float, default=12.0, help="--head: skip unfused runs needing more")
-    ap.add_argument("--impls", default="unfused,fused,fused-lp",
+    ap.add_argument("--impls", default="unfused,fused,fused-lp,fused-loss",
                     help="--head: which of unfused, fused, fused-lp, fused-fresh (fused, each logit chunk "
-                         "allocated afresh: the op before its per-call workspace)")
+                         "allocated afresh: the op before its per-call workspace), fused-loss (the loss inside "
+                         "the op: linear_token_loss, gradients taken in the forward)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         impl, shape, dtype, mode, what = args.child.split(":")
-        run = head_child if impl in ("fused", "fused-lp", "fused-fresh", "unfused") else child
+        run = head_child if impl in ("fused", "fused-lp", "fused-fresh", "fused-loss", "unfused") else child
         res = run(impl, tuple(map(int, shape.split("x"))), dtype, mode, what, args.reps, args.threads)
         print("RESULT " + json.dumps(res))
         return

@@ -7,8 +7,8 @@ from dist_helpers import run_distributed
 
 from megarl.algorithms import (AGG_MODES, AdaptiveKLController, FixedKLController, broadcast_to_tokens,
                                clip_rewards, explained_variance, gae_advantages, grpo_advantages, kl_estimate,
-                               ppo_policy_loss, reinforce_advantages, reinforce_pp_returns, rloo_advantages,
-                               sequence_reward, token_rewards, value_loss, whiten)
+                               ppo_policy_loss, ppo_token_loss, reinforce_advantages, reinforce_pp_returns, rloo_advantages,
+                               sequence_reward, token_rewards, token_weights, value_loss, whiten)
 
 torch.set_num_threads(1)
 
@@ -301,6 +301,28 @@ def test_ppo_loss_against_reference(agg, dual):
     assert metrics["loss"].tolist() == pytest.approx([loss_sum.item(), count.item()])
     loss_sum.backward()
     assert torch.isfinite(lp.grad).all() and bool((lp.grad[~mask] == 0).all())
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_token_loss_with_weights_is_the_aggregated_loss(agg):
+    """The fused head's form of the loss (ppo_token_loss on valid tokens, weighted by
+    token_weights, summed) equals ppo_policy_loss's, value and gradient, for every aggregation."""
+    logp, old, adv, mask, ent, ref = ppo_inputs(seed=3)
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=1.3, entropy_coef=0.01, kl_coef=0.04)
+    lp = logp.clone().requires_grad_(True)
+    loss_sum, _, _ = ppo_policy_loss(lp, old, adv, mask, entropy=ent, ref_logp=ref, agg=agg, max_len=16, **kw)
+    loss_sum.backward()
+    m = mask.bool()
+    lp_valid = logp[m].clone().requires_grad_(True)
+    per_token, parts = ppo_token_loss(lp_valid, old[m], adv[m], entropy=ent[m], ref_logp=ref[m], **kw)
+    folded = (per_token * token_weights(mask, agg, max_len=16, dtype=torch.float64)[m]).sum()
+    folded.backward()
+    assert folded.item() == pytest.approx(loss_sum.item(), rel=1e-12)
+    torch.testing.assert_close(lp_valid.grad, lp.grad[m], rtol=1e-12, atol=1e-15)
+    assert {"ratio", "log_ratio", "pg", "clipped", "dual_clipped", "kl"} <= parts.keys()
+    assert token_weights(mask, agg, max_len=16)[~m].abs().sum() == 0
+    with pytest.raises(ValueError, match="needs max_len"):
+        token_weights(mask, "seq-mean-token-sum-norm")
 
 
 def test_ppo_metrics_and_first_step_invariants():

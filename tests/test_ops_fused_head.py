@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from dist_helpers import run_distributed
-from megarl.ops import head_logprobs, linear_logprobs_and_entropy, logprobs_and_entropy
+from megarl.ops import head_logprobs, head_token_loss, linear_logprobs_and_entropy, linear_token_loss, logprobs_and_entropy
 from megarl.ops import fused_head
 
+pytestmark = pytest.mark.usefixtures("row_path")  # every test on both CPU row paths (conftest.py)
 VAL_TOL = dict(rtol=2e-5, atol=2e-5)
 GRAD_TOL = dict(rtol=1e-4, atol=2e-5)
 
@@ -325,13 +326,23 @@ def _role_body(rank, world, tp, pp):
         lp, ent = head_logprobs(head, b["labels"], with_entropy=True, chunk_size=3)
         return loss(lp, ent, b)
 
+    def folded_loss(b, head):  # the same loss, its gradient taken inside the head (linear_token_loss)
+        w = b["mask"].reshape(-1)
+
+        def token_loss(pos, lp, ent):
+            return -(lp * w[pos]).sum() - 0.1 * (ent * w[pos]).sum()
+
+        loss_sum, _, _ = head_token_loss(head, b["labels"], token_loss, with_entropy=True, chunk_size=3)
+        count = b["mask"].sum().to(torch.int)
+        return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), count.double()])}
+
     out = {}
     for tied in (False, True):
         model = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
                             vocab_size=VOCAB, max_position_embeddings=32, tie_embeddings=tied)
         optim = OptimConfig(lr=1e-2, clip_grad=1.0, eps=1e-4)
         roles = {name: Role(name, model, ParallelConfig(tp=tp, pp=pp), optim=optim, schedule=LRScheduleConfig(),
-                            train_steps=2, seed=5) for name in ("logits", "fused")}
+                            train_steps=2, seed=5) for name in ("logits", "fused", "folded")}
         mbs = dp_microbatches(batch, MBS)
         fused_mbs = [dict(mb, return_hidden=True) for mb in mbs]
         collected = {
@@ -339,7 +350,8 @@ def _role_body(rank, world, tp, pp):
             "fused": roles["fused"].forward_collect(fused_mbs, lambda b, o: head_logprobs(o, b["labels"])[0]),
         }
         steps = {"logits": roles["logits"].train_step(mbs, logits_loss).metrics["loss"],
-                 "fused": roles["fused"].train_step(fused_mbs, fused_loss).metrics["loss"]}
+                 "fused": roles["fused"].train_step(fused_mbs, fused_loss).metrics["loss"],
+                 "folded": roles["folded"].train_step(fused_mbs, folded_loss).metrics["loss"]}
         params = {k: gather_full_state_dict(r.model, VOCAB) for k, r in roles.items()}
         out[tied] = {"collected": collected, "loss": steps, "params": params}
         del roles
@@ -351,17 +363,20 @@ def _role_body(rank, world, tp, pp):
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
 def test_role_train_step_fused_equals_logits(tp, pp):
     """Same collected log-probs, same loss and the same parameter update (every parameter,
-    embedding included when tied) as the logits path, within 1e-5."""
+    embedding included when tied) as the logits path, within 1e-5: the fused op with the loss
+    outside it, and with the loss inside it (head_token_loss)."""
     result = run_distributed(_role_body, tp * pp, tp, pp)[0]
     for tied, r in result.items():
         for a, b in zip(r["collected"]["fused"], r["collected"]["logits"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        assert abs(r["loss"]["fused"] - r["loss"]["logits"]) <= 1e-5 * abs(r["loss"]["logits"]), (tied, r["loss"])
-        fused, logits = r["params"]["fused"], r["params"]["logits"]
-        assert fused.keys() == logits.keys()
-        assert not tied or not any("output_layer" in k for k in fused)  # tied: the embedding is the head
-        for k in logits:
-            torch.testing.assert_close(fused[k], logits[k], rtol=1e-5, atol=1e-6, msg=f"{k} (tied={tied})")
+        logits = r["params"]["logits"]
+        for way in ("fused", "folded"):
+            assert abs(r["loss"][way] - r["loss"]["logits"]) <= 1e-5 * abs(r["loss"]["logits"]), (tied, r["loss"])
+            got = r["params"][way]
+            assert got.keys() == logits.keys()
+            assert not tied or not any("output_layer" in k for k in got)  # tied: the embedding is the head
+            for k in logits:
+                torch.testing.assert_close(got[k], logits[k], rtol=1e-5, atol=1e-6, msg=f"{k} ({way}, tied={tied})")
 
 
 @pytest.mark.gpu
@@ -426,3 +441,174 @@ def test_ignored_tokens_never_reach_the_output_layer(monkeypatch):
     assert not lp[~keep].any() and not ent[~keep].any() and not xx.grad[~keep].any()
     torch.testing.assert_close(xx.grad, x2.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ww.grad, w2.grad, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- a loss inside the head
+
+def ppo_like(lp, ent, old, adv, weight):
+    """A per-token loss that reads both outputs and is not linear in them: PPO's clipped surrogate
+    (clip 0.2, dual clip 3), an entropy bonus and a k3 KL to a reference, weighted per token."""
+    from megarl.algorithms import ppo_token_loss
+
+    per_token, _ = ppo_token_loss(lp, old, adv, clip_low=0.2, clip_high=0.28, dual_clip=3.0, entropy=ent,
+                                  entropy_coef=0.05, ref_logp=old - 0.1, kl_coef=0.3, kl_kind="k3")
+    return (per_token * weight).sum()
+
+
+def loss_case(T, seed):
+    """Per-token constants near the current log-probs (so some ratios clip and some do not)."""
+    g = torch.Generator().manual_seed(seed + 100)
+    return (torch.randn(T, generator=g, dtype=torch.float64) * 0.3,   # old log-prob offset from lp
+            torch.randn(T, generator=g, dtype=torch.float64),         # advantages
+            torch.rand(T, generator=g, dtype=torch.float64) + 0.5)    # aggregation weights
+
+
+def folded_against_float64(x, w, t, vocab_size, temperature, chunk, with_entropy, seed, **kw):
+    """(loss, lp, ent, grad x, grad w) of linear_token_loss and of the float64 reference."""
+    x64, w64, rlp, rent = reference(x, w, t, vocab_size, temperature)
+    off, adv, weight = loss_case(t.numel(), seed)
+    valid = (t != -100).reshape(-1)
+    old = (rlp.detach().reshape(-1) + off)  # float64 constants, read in fp32 by the op's loss
+    calls = []
+
+    def token_loss(pos, lp, ent):
+        calls.append(pos.clone())
+        assert lp.dtype == torch.float32 and lp.requires_grad and (ent is None) == (not with_entropy)
+        e = ent if with_entropy else torch.zeros_like(lp)
+        return ppo_like(lp, e, old[pos].float(), adv[pos].float(), weight[pos].float())
+
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, lp, ent = linear_token_loss(xr, wr, t, token_loss, vocab_size=vocab_size, temperature=temperature,
+                                      chunk_size=chunk, with_entropy=with_entropy, **kw)
+    loss.backward()
+    rent_in = rent.reshape(-1) if with_entropy else torch.zeros_like(rlp.reshape(-1))
+    ref_loss = ppo_like(rlp.reshape(-1)[valid], rent_in[valid], old[valid], adv[valid], weight[valid])
+    ref_loss.backward()
+    seen = torch.cat(calls) if calls else torch.empty(0, dtype=torch.long)
+    assert sorted(seen.tolist()) == valid.nonzero().flatten().tolist()  # every valid token once, no other
+    return (loss, lp, ent, xr.grad, wr.grad), (ref_loss, rlp, rent, x64.grad, w64.grad)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7, 64])
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_token_loss_values_and_grads_match_float64(chunk, with_entropy):
+    x, w, t = make(53, 24, 300, seed=5, vocab_size=290)
+    got, ref = folded_against_float64(x, w, t, 290, 0.7, chunk, with_entropy, seed=5)
+    loss, lp, ent, gx, gw = got
+    assert loss.dim() == 0 and not lp.requires_grad and (ent is None or not ent.requires_grad)
+    torch.testing.assert_close(loss.double(), ref[0], **VAL_TOL)
+    torch.testing.assert_close(lp.double(), ref[1], **VAL_TOL)
+    if with_entropy:
+        torch.testing.assert_close(ent.double(), ref[2], **VAL_TOL)
+    else:
+        assert ent is None
+    torch.testing.assert_close(gx.double(), ref[3], **GRAD_TOL)
+    torch.testing.assert_close(gw.double(), ref[4], **GRAD_TOL)
+    assert (gw[290:] == 0).all()
+
+
+def test_token_loss_computes_each_chunks_logits_once_and_scales_by_the_incoming_grad(monkeypatch):
+    """Three output-layer GEMMs at any token count: the forward's chunk logits are never
+    recomputed in the backward, which only scales what the forward computed."""
+    x, w, t = make(40, 16, 120, seed=6, ignore_frac=0.0)
+    chunks = []
+    real = fused_head._chunk_logits
+    monkeypatch.setattr(fused_head, "_chunk_logits", lambda xc, *a: chunks.append(xc.shape[0]) or real(xc, *a))
+
+    def nll(pos, lp, ent):
+        return -lp.sum()
+
+    grads = []
+    for scale in (1.0, 2.5):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss, _, _ = linear_token_loss(xr, wr, t, nll, chunk_size=8)
+        n_forward = len(chunks)
+        (loss * scale).backward()
+        assert len(chunks) == n_forward  # no logits in the backward
+        grads.append((xr.grad, wr.grad))
+    assert chunks == [8] * 10  # 5 chunks per call, two calls
+    torch.testing.assert_close(grads[1][0], grads[0][0] * 2.5)
+    torch.testing.assert_close(grads[1][1], grads[0][1] * 2.5)
+    # the same gradients as the recomputing op with the loss outside
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, _ = linear_logprobs_and_entropy(xr, wr, t, chunk_size=8, with_entropy=False)
+    (-lp.sum()).backward()
+    torch.testing.assert_close(xr.grad, grads[0][0], **GRAD_TOL)
+    torch.testing.assert_close(wr.grad, grads[0][1], **GRAD_TOL)
+
+
+def test_token_loss_without_grad_and_bad_losses():
+    x, w, t = make(20, 16, 50, seed=7)
+    with torch.no_grad():
+        loss, lp, _ = linear_token_loss(x, w, t, lambda pos, lp, ent: -lp.sum(), chunk_size=3)
+    ref_lp, _ = linear_logprobs_and_entropy(x, w, t, with_entropy=False)
+    torch.testing.assert_close(lp, ref_lp)
+    torch.testing.assert_close(loss, -ref_lp.sum())
+    assert not loss.requires_grad
+    with pytest.raises(ValueError, match="0-d tensor"):
+        linear_token_loss(x.requires_grad_(), w, t, lambda pos, lp, ent: -lp, chunk_size=3)
+    # a loss that does not read the log-probs gives zero gradients, not an error
+    xr = x.detach().clone().requires_grad_()
+    loss, _, _ = linear_token_loss(xr, w, t, lambda pos, lp, ent: lp.new_zeros(()), chunk_size=3)
+    loss.backward()
+    assert xr.grad is not None and not xr.grad.any()
+
+
+def test_token_loss_in_bf16_matches_the_recomputing_op():
+    x, w, t = make(48, 32, 256, seed=8, dtype=torch.bfloat16)
+
+    def run(fold):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if fold:
+            loss, _, _ = linear_token_loss(xr, wr, t, lambda pos, lp, ent: -(lp * 0.5).sum() - ent.sum() * 0.1,
+                                           chunk_size=16, with_entropy=True)
+        else:
+            lp, ent = linear_logprobs_and_entropy(xr, wr, t, chunk_size=16)
+            loss = -(lp * 0.5).sum() - ent.sum() * 0.1
+        loss.backward()
+        return loss.detach(), xr.grad.float(), wr.grad.float()
+
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def _tp_loss_body(rank, world, x, w, t, vocab_size, reduce_grad, old):
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    n = w.shape[0] // world
+    _, adv, weight = loss_case(t.numel(), seed=9)
+    xr = x.clone().requires_grad_()
+    wr = w[rank * n:(rank + 1) * n].clone().requires_grad_()
+
+    def token_loss(pos, lp, ent):
+        return ppo_like(lp, ent, old[pos].float(), adv[pos].float(), weight[pos].float())
+
+    loss, lp, ent = linear_token_loss(xr, wr, t, token_loss, tp_group=group, vocab_size=vocab_size,
+                                      temperature=0.8, chunk_size=6, with_entropy=True, reduce_hidden_grad=reduce_grad)
+    loss.backward()
+    return loss.detach(), lp, ent, xr.grad, wr.grad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduce_grad", [True, False])
+def test_token_loss_tensor_parallel_matches_float64(reduce_grad):
+    x, w, t = make(31, 16, 2 * 200, seed=10, vocab_size=390)
+    x64, w64, rlp, rent = reference(x, w, t, 390, 0.8)
+    off, adv, weight = loss_case(t.numel(), seed=9)
+    old = rlp.detach() + off  # near the current log-probs: some ratios clip, some do not
+    results = run_distributed(_tp_loss_body, 2, x, w, t, 390, reduce_grad, old)
+    v = t != -100
+    ref_loss = ppo_like(rlp[v], rent[v], old[v], adv[v], weight[v])
+    ref_loss.backward()
+    for loss, lp, ent, _, _ in results:
+        torch.testing.assert_close(loss.double(), ref_loss.detach(), **VAL_TOL)
+        torch.testing.assert_close(lp.double(), rlp.detach(), **VAL_TOL)
+        torch.testing.assert_close(ent.double(), rent.detach(), **VAL_TOL)
+    gx = [r[3] for r in results]
+    if reduce_grad:
+        for g in gx:
+            torch.testing.assert_close(g.double(), x64.grad, **GRAD_TOL)
+    else:
+        torch.testing.assert_close(sum(gx).double(), x64.grad, **GRAD_TOL)
+    torch.testing.assert_close(torch.cat([r[4] for r in results]).double(), w64.grad, **GRAD_TOL)

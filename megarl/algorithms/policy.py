@@ -101,34 +101,70 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
         return _metric(torch.where(m, x.detach().to(logp.dtype), zero).sum(), n_tok)
 
     logp, old_logp, entropy, ref_logp = valid(logp), valid(old_logp), valid(entropy), valid(ref_logp)
-    adv = valid(advantages.detach())
-    log_ratio = (logp - old_logp.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    metrics = {"clip_fraction": tok_metric(pg_clipped > pg_unclipped)}
+    per_token, parts = ppo_token_loss(
+        logp, old_logp, valid(advantages.detach()), clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+        entropy=entropy, entropy_coef=entropy_coef, ref_logp=ref_logp, kl_coef=kl_coef, kl_kind=kl_kind)
+    metrics = {"clip_fraction": tok_metric(parts["clipped"])}
     if dual_clip is not None:
-        pg_dual = -adv * dual_clip
-        negative = adv < 0
-        metrics["dual_clip_fraction"] = tok_metric(negative & (pg > pg_dual))
-        pg = torch.where(negative, torch.minimum(pg, pg_dual), pg)
-    per_token = pg
-    metrics["pg_loss"] = tok_metric(pg)
-    metrics["ratio"] = tok_metric(ratio)
-    metrics["approx_kl"] = tok_metric(ratio - 1.0 - log_ratio)
+        metrics["dual_clip_fraction"] = tok_metric(parts["dual_clipped"])
+    metrics["pg_loss"] = tok_metric(parts["pg"])
+    metrics["ratio"] = tok_metric(parts["ratio"])
+    metrics["approx_kl"] = tok_metric(parts["ratio"] - 1.0 - parts["log_ratio"])
     if entropy is not None:
         metrics["entropy"] = tok_metric(entropy)
-        if entropy_coef:
-            per_token = per_token - entropy_coef * entropy
     if ref_logp is not None:
-        kl = kl_estimate(logp, ref_logp.detach(), kl_kind)
-        metrics["kl_loss"] = tok_metric(kl)
-        if kl_coef:
-            per_token = per_token + kl_coef * kl
+        metrics["kl_loss"] = tok_metric(parts["kl"])
     loss_sum, count = aggregate(per_token, m, agg, max_len)
     metrics["loss"] = _metric(loss_sum, count)
     return loss_sum, count, metrics
+
+
+def ppo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
+                   clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
+                   entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
+                   ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0, kl_kind: str = "k3"):
+    """The per-token loss of `ppo_policy_loss` before aggregation, on valid tokens of any shape
+    (no mask: every entry counts, none may be nan). Each token's loss depends on that token's
+    log-prob and entropy only, which lets the fused output layer take its gradient chunk by chunk
+    (`megarl.ops.linear_token_loss`). Returns (per_token, parts) with the parts the metrics
+    read: ratio, log_ratio, pg, clipped (bool), dual_clipped (bool, with dual_clip), kl (with
+    ref_logp)."""
+    log_ratio = (logp - old_logp.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach()
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    parts = {"ratio": ratio, "log_ratio": log_ratio, "clipped": pg_clipped > pg_unclipped}
+    if dual_clip is not None:
+        pg_dual = -adv * dual_clip
+        negative = adv < 0
+        parts["dual_clipped"] = negative & (pg > pg_dual)
+        pg = torch.where(negative, torch.minimum(pg, pg_dual), pg)
+    parts["pg"] = pg
+    per_token = pg
+    if entropy is not None and entropy_coef:
+        per_token = per_token - entropy_coef * entropy
+    if ref_logp is not None:
+        parts["kl"] = kl = kl_estimate(logp, ref_logp.detach(), kl_kind)
+        if kl_coef:
+            per_token = per_token + kl_coef * kl
+    return per_token, parts
+
+
+def token_weights(mask: torch.Tensor, agg: str = "token-mean", max_len: int | None = None,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w [B, T] of dtype with sum(w * l) = `aggregate(l, mask, agg, max_len)`'s loss_sum for any
+    per-token loss l [B, T] (0 off the mask): every aggregation is linear in the per-token loss.
+    The fused output layer weighs each token's gradient with it."""
+    aggregate(mask.new_zeros(mask.shape, dtype=torch.float32), mask, agg, max_len)  # checks agg, max_len
+    m = mask.to(torch.bool)
+    w = m.to(dtype)
+    if agg == "seq-mean-token-mean":
+        w = w / m.sum(1, keepdim=True).clamp(min=1).to(dtype)
+    elif agg == "seq-mean-token-sum-norm":
+        w = w / float(max_len)
+    return w
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

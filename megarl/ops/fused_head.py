@@ -12,6 +12,9 @@ peak extra memory is about two chunks' logits whatever the token count (when eve
 one chunk, the forward keeps that chunk for the backward instead of recomputing it).
 Same maths (and same dtypes: the GEMM runs in the inputs' dtype, the statistics in fp32) as
 output layer -> `mask_padded_vocab` -> `logprobs_and_entropy`.
+`linear_token_loss` takes the loss into the op instead, when each token's term reads its own
+log-prob and entropy only (RL's policy losses, NLL): each chunk's logits become their gradient in
+the forward, so nothing is recomputed (three GEMMs, not four).
 """
 import torch
 import torch.nn.functional as F
@@ -51,6 +54,20 @@ def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab
         over TP (sequence parallelism: `gather_from_sequence_parallel_region`'s reduce-scatter).
     Returns (logprob [...], entropy [...] or None), fp32, differentiable w.r.t. hidden and weight.
     """
+    x, t, restore = _checked_rows(hidden, weight, targets, temperature, chunk_size)
+    tp_size, tp_rank, n, padded, first_pad, step = _vocab_layout(weight, tp_group, vocab_size, chunk_size)
+    N = t.numel()
+    kept, (t, x) = _kept_rows(t, ignore_index, t, x)
+    lp, ent = _FusedLinearLogProbs.apply(
+        x, weight, t, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
+        1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad),
+        torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad),  # a backward may come
+        bool(with_entropy))  # False: the entropy (NaN) is neither returned nor differentiated
+    return restore(_all_rows(kept, lp, N)), (restore(_all_rows(kept, ent, N)) if with_entropy else None)
+
+
+def _checked_rows(hidden, weight, targets, temperature, chunk_size):
+    """hidden as rows [N, h], targets [N] and the map back to [...], after checking the arguments."""
     if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
         raise TypeError(f"hidden and weight must share one of fp32/bf16/fp16, got {hidden.dtype} and {weight.dtype}")
     if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
@@ -64,8 +81,28 @@ def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _as_rows(hidden, targets)  # [N, h], [N]
 
-    x, t, restore = _as_rows(hidden, targets)  # [N, h], [N]
+
+def _kept_rows(t, ignore_index, *rows):
+    """(kept [N'] or None when every row counts, the rows' tensors at the kept rows). Ignored
+    tokens (padding of a padded micro-batch, prompt columns) never reach the output layer: the
+    GEMMs run over the rows that count only. Every TP rank holds the same targets, so every rank
+    keeps the same rows. (nonzero's size is read on the host: a sync on a GPU.)"""
+    kept = (t != ignore_index).nonzero().squeeze(1)                             # [N']
+    if kept.numel() == t.numel():
+        return None, rows
+    return kept, tuple(r.index_select(0, kept) for r in rows)                   # differentiable in x
+
+
+def _all_rows(kept, v, n):
+    """A per-row result [N'] back at all n rows: ignored rows 0 (and no gradient)."""
+    return v if kept is None else v.new_zeros(n).index_copy(0, kept, v)
+
+
+def _vocab_layout(weight, tp_group, vocab_size, chunk_size):
+    """(tp_size, tp_rank, local rows n, padded vocabulary, first local padding column, tokens per
+    chunk)."""
     tp_size, tp_rank = _group_info(tp_group)
     n = weight.shape[0]
     padded = n * tp_size
@@ -75,24 +112,7 @@ def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab
     step = chunk_size or max(1, _CHUNK_LOGIT_ELEMS // n)
     if chunk_size is None and step > _ALIGN:
         step = step // _ALIGN * _ALIGN
-    # Ignored tokens (padding of a padded micro-batch, prompt columns) never reach the output
-    # layer: the GEMMs run over the rows that count only. Every TP rank holds the same targets,
-    # so every rank keeps the same rows. (nonzero's size is read on the host: a sync on a GPU.)
-    valid = t != ignore_index
-    kept_rows = valid.nonzero().squeeze(1)                                      # [N']
-    if kept_rows.numel() < t.numel():
-        x, t = x.index_select(0, kept_rows), t.index_select(0, kept_rows)       # differentiable in x
-    else:
-        kept_rows = None
-    lp, ent = _FusedLinearLogProbs.apply(
-        x, weight, t, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
-        1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad),
-        torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad),  # a backward may come
-        bool(with_entropy))  # False: the entropy (NaN) is neither returned nor differentiated
-    if kept_rows is not None:  # ignored rows: 0, and no gradient
-        lp = lp.new_zeros(valid.shape).index_copy(0, kept_rows, lp)
-        ent = ent.new_zeros(valid.shape).index_copy(0, kept_rows, ent) if with_entropy else ent
-    return restore(lp), (restore(ent) if with_entropy else None)
+    return tp_size, tp_rank, n, padded, first_pad, step
 
 
 def head_logprobs(head, labels, *, temperature=1.0, with_entropy=False, ignore_index=IGNORE_INDEX,
@@ -103,6 +123,61 @@ def head_logprobs(head, labels, *, temperature=1.0, with_entropy=False, ignore_i
     The fused counterpart of `mask_padded_vocab` + `logprobs_and_entropy` on logits."""
     return linear_logprobs_and_entropy(
         head.hidden, head.weight, labels, tp_group=head.tp_group, vocab_size=head.vocab_size,
+        temperature=temperature, with_entropy=with_entropy, ignore_index=ignore_index, chunk_size=chunk_size,
+        reduce_hidden_grad=not head.hidden_grad_reduced)
+
+
+def linear_token_loss(hidden, weight, targets, token_loss, *, tp_group=None, vocab_size=None, temperature=1.0,
+                      with_entropy=False, ignore_index=IGNORE_INDEX, chunk_size=None, reduce_hidden_grad=True):
+    """A loss sum_t l_t(logp_t, entropy_t) through the output layer, its gradient taken inside
+    the forward (Liger's fused linear cross-entropy, for any per-token loss).
+
+    token_loss(pos, logp, entropy) -> 0-d tensor: the loss of some tokens, differentiable in
+    logp [c] and entropy [c] (None without with_entropy), fp32; pos [c] are the tokens' flat
+    indices into targets (targets.reshape(-1)), for the caller's per-token constants (old
+    log-probs, advantages, the aggregation's weights). Each token's loss may depend on its own
+    log-prob and entropy only: the op calls token_loss on one chunk of tokens at a time (ignored
+    targets are never passed).
+    Why: with `linear_logprobs_and_entropy` the backward recomputes each chunk's logits (a fourth
+    output-layer GEMM after the forward's, grad(hidden)'s and grad(W)'s) unless every token fits
+    in one chunk. Here each chunk's logits turn into their gradient as soon as the chunk's
+    log-probs are known, and the gradients of hidden [N, h] and of W [V/tp, h] are kept for the
+    backward, which scales them by the loss's incoming gradient: three GEMMs at any token count,
+    one chunk of logits at a time. The cost: grad(W) is held from the forward to the backward.
+    On a GPU with more tokens than one chunk the op takes the recomputing path (see below).
+    Arguments otherwise as `linear_logprobs_and_entropy`. Returns (loss 0-d fp32, differentiable
+    w.r.t. hidden and weight; logprob [...] and entropy [...] or None, detached).
+    """
+    x, t, restore = _checked_rows(hidden, weight, targets, temperature, chunk_size)
+    # each row's flat index into targets (the rows walk hidden's memory order)
+    _, pos, _ = _as_rows(hidden, torch.arange(targets.numel(), device=targets.device).view(targets.shape))
+    tp_size, tp_rank, n, padded, first_pad, step = _vocab_layout(weight, tp_group, vocab_size, chunk_size)
+    N = t.numel()
+    kept, (t, x, pos) = _kept_rows(t, ignore_index, t, x, pos)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if needs_grad and x.device.type != "cpu" and x.shape[0] > step:
+        # On a GPU a chunk's GEMM is short next to adding its [V/tp, h] grad(W) into an fp32 sum
+        # (at V = 152k, h = 4096: ~1 ms of traffic a chunk against ~0.7 ms of GEMM), so the
+        # backward walking the vocabulary and recomputing the logits is the cheaper one there.
+        lp, ent = _FusedLinearLogProbs.apply(
+            x, weight, t, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
+            1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad), True,
+            bool(with_entropy))
+        loss = token_loss(pos, lp, ent if with_entropy else None)
+        lp, ent = lp.detach(), ent.detach()
+    else:
+        loss, lp, ent = _FusedLinearLoss.apply(
+            x, weight, t, pos, token_loss, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
+            1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad), needs_grad,
+            bool(with_entropy))
+    return loss, restore(_all_rows(kept, lp, N)), (restore(_all_rows(kept, ent, N)) if with_entropy else None)
+
+
+def head_token_loss(head, labels, token_loss, *, temperature=1.0, with_entropy=False, ignore_index=IGNORE_INDEX,
+                    chunk_size=None):
+    """`linear_token_loss` on what a model returns with `return_hidden=True` (see head_logprobs)."""
+    return linear_token_loss(
+        head.hidden, head.weight, labels, token_loss, tp_group=head.tp_group, vocab_size=head.vocab_size,
         temperature=temperature, with_entropy=with_entropy, ignore_index=ignore_index, chunk_size=chunk_size,
         reduce_hidden_grad=not head.hidden_grad_reduced)
 
@@ -131,8 +206,8 @@ def _chunk_logits(xc, weight, first_pad, workspace=None):
 
 def fp32_gemm_mode():
     """The innermost active dispatch mode that runs this CPU's half GEMMs in fp32
-    (`megarl.models.cpu_gemm.HalfGemmsInFp32`, known by its `fp32_operand` method: ops imports
-    nothing of megarl), else None."""
+    (`megarl.models.cpu_gemm.HalfGemmsInFp32`, known by its `fp32_operand` method, not by
+    importing models.cpu_gemm), else None."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     for mode in reversed(_get_current_dispatch_mode_stack()):
@@ -267,3 +342,84 @@ class _FusedLinearLogProbs(torch.autograd.Function):
 
                 dist.all_reduce(gx, group=group)  # each rank's vocab shard adds its part of dL/dx
         return gx, gw, None, None, None, None, None, None, None, None, None, None, None
+
+
+class _FusedLinearLoss(torch.autograd.Function):
+    """(x [N, h], w [n, h], targets [N], pos [N], token_loss) -> (loss [], logprob [N], entropy [N]),
+    grad(x) and grad(w) computed in the forward (see linear_token_loss)."""
+
+    @staticmethod
+    def forward(ctx, x, w, t, pos, token_loss, group, vocab_start, padded, first_pad, inv_temp, ignore_index, step,
+                reduce_grad, needs_grad, with_entropy):
+        N = x.shape[0]
+        need_x = needs_grad and x.requires_grad
+        need_w = needs_grad and w.requires_grad
+        lp_all = torch.empty(N, dtype=torch.float32, device=x.device)
+        ent_all = torch.empty(N, dtype=torch.float32, device=x.device)
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        xg, wg = _gemm_operands(x, w)  # fp32 copies where half GEMMs run in fp32 on this CPU
+        workspace = _workspace(xg, min(N, step) * w.shape[0])
+        # gradients in the GEMMs' dtype; grad(w) sums over chunks, in fp32 for half weights
+        gx = torch.empty(N, x.shape[1], dtype=xg.dtype, device=x.device) if need_x else None          # [N, h]
+        gw = torch.zeros(w.shape, dtype=torch.float32 if wg.dtype != torch.float32 else wg.dtype,
+                         device=w.device) if need_w and N else None                                   # [n, h]
+        for r0 in range(0, N, step):
+            r1 = min(N, r0 + step)
+            tc = t[r0:r1]
+            z = _chunk_logits(xg[r0:r1], wg, first_pad, workspace)             # [c, n]
+            m, s, mom, zt = _chunk_stats(z, tc, vocab_start, padded, ignore_index, inv_temp, with_entropy)
+            # this chunk's TP reductions now, not once after the loop: its gradient needs them
+            lp, ent, lse = _reduce_and_finalize(m, s, mom, zt, tc, padded, tc == ignore_index, group)
+            with torch.enable_grad():
+                lp_in = lp.detach().requires_grad_(need_x or need_w)
+                ent_in = ent.detach().requires_grad_(need_x or need_w) if with_entropy else None
+                chunk_loss = token_loss(pos[r0:r1], lp_in, ent_in)
+                if not (torch.is_tensor(chunk_loss) and chunk_loss.dim() == 0):
+                    raise ValueError(f"token_loss must return a 0-d tensor, got {type(chunk_loss).__name__} "
+                                     f"{tuple(getattr(chunk_loss, 'shape', ()))}")
+                inputs = [v for v in (lp_in, ent_in) if v is not None]
+                grads = (torch.autograd.grad(chunk_loss, inputs, allow_unused=True)
+                         if (need_x or need_w) and chunk_loss.requires_grad else [None] * len(inputs))
+            loss += chunk_loss.detach().float()
+            lp_all[r0:r1], ent_all[r0:r1] = lp, ent
+            g_lp, g_ent = grads[0], (grads[1] if with_entropy else None)
+            if not (need_x or need_w) or (g_lp is None and g_ent is None):
+                if need_x:  # this chunk's loss does not read its log-probs
+                    gx[r0:r1] = 0.0
+                continue
+            g_lp = None if g_lp is None else g_lp.float().contiguous()
+            g_ent = None if g_ent is None else g_ent.float().contiguous()
+            dz = _chunk_grad(z, tc, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index)  # [c, n]
+            if need_x:
+                torch.mm(dz, wg, out=gx[r0:r1])                                # [c, h]
+            if need_w:
+                gw.addmm_(dz.t(), xg[r0:r1]) if gw.dtype == dz.dtype else gw.add_(torch.mm(dz.t(), xg[r0:r1]))
+            del dz, z
+        ctx.grads = (gx, gw)
+        ctx.consts = (group, reduce_grad, x.shape, x.dtype, w.dtype)
+        ctx.mark_non_differentiable(lp_all, ent_all)
+        return loss, lp_all, ent_all
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_loss, _g_lp, _g_ent):
+        gx, gw = ctx.grads
+        ctx.grads = None
+        group, reduce_grad, x_shape, x_dtype, w_dtype = ctx.consts
+        need_x, need_w = ctx.needs_input_grad[:2]
+        scale = None if g_loss is None else g_loss.float()
+        if need_x:
+            if gx is None or scale is None:
+                gx = torch.zeros(x_shape, dtype=x_dtype, device=g_loss.device if g_loss is not None else None)
+            else:
+                gx = gx.float().mul_(scale).to(x_dtype) if gx.dtype != torch.float32 else gx.mul_(scale).to(x_dtype)
+            if group is not None and reduce_grad:
+                import torch.distributed as dist
+
+                dist.all_reduce(gx, group=group)  # each rank's vocab shard adds its part of dL/dx
+        if need_w:
+            if gw is None or scale is None:
+                gw = None  # no tokens: no gradient reaches the weight
+            else:
+                gw = gw.mul_(scale).to(w_dtype)
+        return (gx if need_x else None, gw if need_w else None) + (None,) * 13

@@ -28,7 +28,8 @@ import torch
 from megarl import algorithms as A
 from megarl.config import Config, ConfigError
 from megarl.config.schema import role_config
-from megarl.models.gpt import mask_padded_vocab
+from megarl.models.gpt import HeadStates, mask_padded_vocab
+from megarl.ops import IGNORE_INDEX, head_token_loss
 from megarl.roles.phases import PhaseClock, PhaseScheduler
 from megarl.roles.role import Role
 from megarl.rollout.engine import SamplingParams
@@ -505,13 +506,42 @@ class RLStage(Stage):
         kl_loss = r.kl_in == "loss" and "reference" in self.all_roles
         kl_coef = self.kl_ctl.value if kl_loss else 0.0
 
-        def loss_fn(batch, logits):
-            logp, entropy = logprobs(batch, logits)
+        clip = dict(clip_low=r.clip_low, clip_high=r.clip_high, dual_clip=r.dual_clip, entropy_coef=r.entropy_coef,
+                    kl_coef=kl_coef, kl_kind=r.kl_estimator)
+
+        def loss_fn(batch, output):
+            if isinstance(output, HeadStates) and torch.is_grad_enabled():
+                return fused_loss(batch, output)
+            logp, entropy = logprobs(batch, output)
             return A.ppo_policy_loss(
-                logp, batch["old_logp"], batch["advantages"], batch["mask"], clip_low=r.clip_low,
-                clip_high=r.clip_high, dual_clip=r.dual_clip, agg=r.loss_agg, entropy=entropy,
-                entropy_coef=r.entropy_coef, ref_logp=batch.get("ref_logp") if kl_loss else None,
-                kl_coef=kl_coef, kl_kind=r.kl_estimator, max_len=r.max_new_tokens)
+                logp, batch["old_logp"], batch["advantages"], batch["mask"], agg=r.loss_agg, entropy=entropy,
+                ref_logp=batch.get("ref_logp") if kl_loss else None, max_len=r.max_new_tokens, **clip)
+
+        def fused_loss(batch, head):
+            """The same loss, its gradient taken inside the output layer (ops.head_token_loss):
+            each token's loss depends on its own log-prob and entropy, weighted by the aggregation."""
+            take = (lambda v: v[batch["unpack"]][None]) if "unpack" in batch else (lambda v: v)  # head's layout
+            mask = take(batch["mask"])
+            labels = take(batch["labels"]).masked_fill(~mask, IGNORE_INDEX)
+            names = ("old_logp", "advantages") + (("ref_logp",) if kl_loss else ())
+            flat = {k: take(batch[k]).reshape(-1).float() for k in names}  # [b s'] per-token constants
+            flat["weight"] = take(A.token_weights(batch["mask"], r.loss_agg, r.max_new_tokens)).reshape(-1)
+
+            def token_loss(pos, lp, ent):  # pos [c]: the chunk's tokens; lp, ent [c]
+                per_token, _ = A.ppo_token_loss(
+                    lp, flat["old_logp"][pos], flat["advantages"][pos], entropy=ent,
+                    ref_logp=flat["ref_logp"][pos] if kl_loss else None, **clip)
+                return (per_token * flat["weight"][pos]).sum()
+
+            loss_sum, logp, entropy = head_token_loss(head, labels, token_loss, temperature=r.temperature,
+                                                      with_entropy=r.entropy_coef > 0)
+            with torch.no_grad():  # the metrics, from the same log-probs
+                _, count, metrics = A.ppo_policy_loss(
+                    per_row(batch, logp), batch["old_logp"], batch["advantages"], batch["mask"], agg=r.loss_agg,
+                    entropy=None if entropy is None else per_row(batch, entropy),
+                    ref_logp=batch.get("ref_logp") if kl_loss else None, max_len=r.max_new_tokens, **clip)
+            metrics["loss"] = torch.stack([loss_sum.detach().double(), count.double()])
+            return loss_sum, count, metrics
 
         return loss_fn
 
