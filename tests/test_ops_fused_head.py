@@ -612,3 +612,12 @@ def test_token_loss_tensor_parallel_matches_float64(reduce_grad):
     else:
         torch.testing.assert_close(sum(gx).double(), x64.grad, **GRAD_TOL)
     torch.testing.assert_close(torch.cat([r[4] for r in results]).double(), w64.grad, **GRAD_TOL)
+
+
+def test_token_loss_backward_runs_once_with_a_clear_error():
+    x, w, t = make(12, 8, 40, seed=12)
+    xr = x.clone().requires_grad_()
+    loss, _, _ = linear_token_loss(xr, w, t, lambda pos, lp, ent: -lp.sum(), chunk_size=5)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="linear_token_loss: its backward runs once"):
+        loss.backward()

@@ -359,10 +359,10 @@ class _FusedLinearLoss(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         xg, wg = _gemm_operands(x, w)  # fp32 copies where half GEMMs run in fp32 on this CPU
         workspace = _workspace(xg, min(N, step) * w.shape[0])
-        # gradients in the GEMMs' dtype; grad(w) sums over chunks, in fp32 for half weights
+        # gradients in the GEMMs' dtype; grad(w) [n, h] sums over chunks, in fp32 for half weights
+        # when there is more than one chunk
         gx = torch.empty(N, x.shape[1], dtype=xg.dtype, device=x.device) if need_x else None          # [N, h]
-        gw = torch.zeros(w.shape, dtype=torch.float32 if wg.dtype != torch.float32 else wg.dtype,
-                         device=w.device) if need_w and N else None                                   # [n, h]
+        gw = None
         for r0 in range(0, N, step):
             r1 = min(N, r0 + step)
             tc = t[r0:r1]
@@ -392,7 +392,10 @@ class _FusedLinearLoss(torch.autograd.Function):
             dz = _chunk_grad(z, tc, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index)  # [c, n]
             if need_x:
                 torch.mm(dz, wg, out=gx[r0:r1])                                # [c, h]
-            if need_w:
+            if need_w and gw is None:
+                gw = torch.mm(dz.t(), xg[r0:r1])                               # [n, h]
+                gw = gw.float() if N > step else gw
+            elif need_w:
                 gw.addmm_(dz.t(), xg[r0:r1]) if gw.dtype == dz.dtype else gw.add_(torch.mm(dz.t(), xg[r0:r1]))
             del dz, z
         ctx.grads = (gx, gw)
@@ -403,6 +406,8 @@ class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_loss, _g_lp, _g_ent):
+        if ctx.grads is None:
+            raise RuntimeError("linear_token_loss: its backward runs once (the gradients it kept were handed on)")
         gx, gw = ctx.grads
         ctx.grads = None
         group, reduce_grad, x_shape, x_dtype, w_dtype = ctx.consts
@@ -417,9 +422,6 @@ class _FusedLinearLoss(torch.autograd.Function):
                 import torch.distributed as dist
 
                 dist.all_reduce(gx, group=group)  # each rank's vocab shard adds its part of dL/dx
-        if need_w:
-            if gw is None or scale is None:
-                gw = None  # no tokens: no gradient reaches the weight
-            else:
-                gw = gw.mul_(scale).to(w_dtype)
+        if need_w:  # None: no token's loss read the output layer
+            gw = None if gw is None or scale is None else gw.mul_(scale).to(w_dtype)
         return (gx if need_x else None, gw if need_w else None) + (None,) * 13
