@@ -33,7 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("with_moment"));
   m.def("logprob_grad", &megarl_cpu::logprob_grad,
         "fp32 logits -> d loss / d logits (out may be x), from each row's lse and loss coefficients",
-        pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("cols"),
+        pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("a"), pybind11::arg("b"),
+        pybind11::arg("cols"),
         pybind11::arg("c"), pybind11::arg("keep"), pybind11::arg("inv_temp"));
   m.def("wide_linear_supported", &megarl_cpu::wide_linear_supported,
         "whether this CPU runs wide_linear (AVX-512)");

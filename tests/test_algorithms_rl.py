@@ -7,8 +7,8 @@ from dist_helpers import run_distributed
 
 from megarl.algorithms import (AGG_MODES, AdaptiveKLController, FixedKLController, broadcast_to_tokens,
                                clip_rewards, explained_variance, gae_advantages, grpo_advantages, kl_estimate,
-                               ppo_policy_loss, ppo_token_loss, reinforce_advantages, reinforce_pp_returns, rloo_advantages,
-                               sequence_reward, token_rewards, token_weights, value_loss, whiten)
+                               ppo_policy_loss, ppo_token_loss, reinforce_advantages, reinforce_pp_returns,
+                               rloo_advantages, sequence_reward, token_rewards, token_weights, value_loss, whiten)
 
 torch.set_num_threads(1)
 

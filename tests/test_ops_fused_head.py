@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from dist_helpers import run_distributed
-from megarl.ops import head_logprobs, head_token_loss, linear_logprobs_and_entropy, linear_token_loss, logprobs_and_entropy
+from megarl.ops import (head_logprobs, head_token_loss, linear_logprobs_and_entropy, linear_token_loss,
+                        logprobs_and_entropy)
 from megarl.ops import fused_head
 
 pytestmark = pytest.mark.usefixtures("row_path")  # every test on both CPU row paths (conftest.py)

@@ -14,6 +14,6 @@ __all__ = [
     "AlgorithmSpec", "FixedKLController", "aggregate", "algorithm", "bradley_terry", "broadcast_to_tokens",
     "clip_rewards", "compute_advantages", "config_errors", "explained_variance", "gae_advantages", "groups_with_signal",
     "grpo_advantages", "kl_estimate", "masked_mse", "masked_nll", "needed_roles", "overlong_penalty", "ppo_policy_loss",
-    "ppo_token_loss", "reinforce_advantages", "reinforce_pp_returns", "rloo_advantages", "sequence_reward", "token_rewards",
-    "token_weights", "value_loss", "whiten",
+    "ppo_token_loss", "reinforce_advantages", "reinforce_pp_returns", "rloo_advantages", "sequence_reward",
+    "token_rewards", "token_weights", "value_loss", "whiten",
 ]
