@@ -4,14 +4,16 @@
 // A decode step multiplies 1-24 rows by the whole head: 155 MB at 152k x 256 in fp32, read from
 // memory every step. MKL's and oneDNN's GEMMs at these shapes read it at 8-16 GB/s (3-24 rows:
 // 10-23 ms a step, docs/benchmarks.md). Here W is streamed once, 4 of its rows at a time, with
-// a software prefetch into L2 64 rows ahead; each block of 4 weight rows is multiplied by the
-// rows of x 4 at a time, 16 accumulators of 16 lanes (independent FMA chains) summed across
-// lanes once per block. fp32 throughout; the sums differ from MKL's only in their order.
+// a software prefetch into L2 64 rows ahead, spread over the FMAs; each block of 4 weight rows is
+// multiplied by the rows of x 4 at a time, 16 accumulators of 16 lanes (independent FMA chains)
+// summed across lanes once per block. fp32 throughout; the sums differ from MKL's only in their
+// order. megarl moves W to huge pages before generation reads it (runtime/huge_pages.py).
 #include "cpu_common.h"
 
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)  // GCC's target pragmas below
 #include <immintrin.h>
@@ -38,7 +40,8 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 // out[j, i] (row stride ldo) = x[j] . w[i] for RB rows of x and the 4 weight rows at w (each h
 // long, contiguous). The last h % 16 columns go through masked loads (zeros beyond h).
 template <int RB>
-inline __attribute__((always_inline)) void block(const float* x, int64_t h, const float* w, float* out, int64_t ldo) {
+inline __attribute__((always_inline)) void block(const float* x, int64_t h, const float* w, float* out, int64_t ldo,
+                                                 const char* pf, int64_t pf_lines) {
   __m512 acc[RB][4];
   for (int j = 0; j < RB; ++j)
     for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
@@ -54,9 +57,21 @@ inline __attribute__((always_inline)) void block(const float* x, int64_t h, cons
       acc[j][3] = _mm512_fmadd_ps(xj, w3, acc[j][3]);
     }
   };
+  // pf_lines cache lines at pf (this block's share of the prefetches, see rows_avx512), a few per
+  // k step: ceil(pf_lines / (k steps + 1)) >= 1 each, the rest after the loop.
+  const int64_t k_steps = h16 / 16;
+  const int64_t per_step = (pf_lines + k_steps) / (k_steps + 1);
+  int64_t issued = 0;
+  auto prefetch = [&]() {
+    for (int64_t q = 0; q < per_step && issued < pf_lines; ++q, ++issued) _mm_prefetch(pf + issued * 64, _MM_HINT_T1);
+  };
 #pragma GCC unroll 4
-  for (int64_t k = 0; k < h16; k += 16) step(k, __mmask16(0xFFFF));
+  for (int64_t k = 0; k < h16; k += 16) {
+    step(k, __mmask16(0xFFFF));
+    prefetch();
+  }
   if (h16 < h) step(h16, __mmask16((1u << (h - h16)) - 1));
+  while (issued < pf_lines) prefetch();
   for (int j = 0; j < RB; ++j) _mm_storeu_ps(out + j * ldo, sum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
 }
 
@@ -65,18 +80,25 @@ constexpr int64_t kPrefetchRows = 64;  // 64 weight rows ahead (64 KB at h = 256
 // Weight rows [v0, v1) (v1 - v0 a multiple of 4) against all R rows of x.
 void rows_avx512(const float* x, int64_t R, const float* w, int64_t V, int64_t h, float* out, int64_t v0,
                  int64_t v1) {
+  const int64_t lines = (4 * h * static_cast<int64_t>(sizeof(float)) + 63) / 64;  // cache lines of 4 weight rows
+  const int64_t row_blocks = (R + 3) / 4;
+  std::vector<int64_t> first_line(row_blocks + 1);  // row block rb of x prefetches [first_line[rb], first_line[rb + 1])
+  for (int64_t rb = 0; rb <= row_blocks; ++rb) first_line[rb] = lines * rb / row_blocks;
   for (int64_t v = v0; v < v1; v += 4) {
     const float* wv = w + v * h;
-    if (v + kPrefetchRows + 4 <= V) {
-      const char* p = reinterpret_cast<const char*>(wv + kPrefetchRows * h);
-      for (int64_t b = 0; b < 4 * h * static_cast<int64_t>(sizeof(float)); b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-    }
+    // The lines of the 4 weight rows kPrefetchRows ahead, spread over this block's FMAs: each row
+    // block of x takes its share, a few per k step. Issued all at once before the FMAs, at 8-32
+    // rows of x the kernel took about the sum of its memory and compute times (docs/benchmarks.md,
+    // 2026-11-29).
+    const char* pf = v + kPrefetchRows + 4 <= V ? reinterpret_cast<const char*>(wv + kPrefetchRows * h) : nullptr;
+    auto share = [&](int64_t rb) { return pf ? first_line[rb + 1] - first_line[rb] : 0; };
+    auto from = [&](int64_t rb) { return pf ? pf + first_line[rb] * 64 : pf; };
     int64_t r = 0;
-    for (; r + 4 <= R; r += 4) block<4>(x + r * h, h, wv, out + r * V + v, V);
+    for (; r + 4 <= R; r += 4) block<4>(x + r * h, h, wv, out + r * V + v, V, from(r / 4), share(r / 4));
     switch (R - r) {
-      case 3: block<3>(x + r * h, h, wv, out + r * V + v, V); break;
-      case 2: block<2>(x + r * h, h, wv, out + r * V + v, V); break;
-      case 1: block<1>(x + r * h, h, wv, out + r * V + v, V); break;
+      case 3: block<3>(x + r * h, h, wv, out + r * V + v, V, from(r / 4), share(r / 4)); break;
+      case 2: block<2>(x + r * h, h, wv, out + r * V + v, V, from(r / 4), share(r / 4)); break;
+      case 1: block<1>(x + r * h, h, wv, out + r * V + v, V, from(r / 4), share(r / 4)); break;
       default: break;
     }
   }

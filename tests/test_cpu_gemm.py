@@ -372,3 +372,25 @@ def test_wide_linear_bad_inputs_raise_one_line_errors():
         with pytest.raises(RuntimeError, match="megarl._cpu.wide_linear: .*" + msg) as err:
             op(*args)
         assert "\n" not in str(err.value)
+
+
+def test_generation_moves_the_wide_weights_the_kernel_streams_to_huge_pages(monkeypatch):
+    """cpu_linears collapses each wide [out, in] tensor of out_major (the LM head the kernel reads
+    whole every decode step) to huge pages, only where the kernel runs; narrow ones and None are left."""
+    from megarl.models import cpu_gemm, cpu_kernels
+    from megarl.runtime import huge_pages
+
+    seen = []
+    monkeypatch.setattr(huge_pages, "collapse", lambda t: seen.append(t) or True)
+    wide = torch.randn(cpu_gemm.OUT_MAJOR_MIN_OUT, 4)
+    narrow = torch.randn(cpu_gemm.OUT_MAJOR_MIN_OUT - 1, 4)
+    out_major = {1: wide, 2: narrow, 3: None}
+    monkeypatch.setattr(cpu_kernels, "wide_linear", lambda: (lambda x, w: x @ w.t()))
+    with cpu_gemm.cpu_linears([], onednn=False, out_major=out_major):
+        pass
+    assert len(seen) == 1 and seen[0] is wide
+    seen.clear()
+    monkeypatch.setattr(cpu_kernels, "wide_linear", lambda: None)  # no kernel: MKL reads the weights as they are
+    with cpu_gemm.cpu_linears([], onednn=False, out_major=out_major):
+        pass
+    assert seen == []

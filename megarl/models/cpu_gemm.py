@@ -20,7 +20,8 @@ The LM head at few rows is a different GEMM: a wide weight (>= OUT_MAJOR_MIN_OUT
 vocabulary shard) read whole for a handful of rows, bound by memory. From 2 to 32 rows, where
 the CPU has AVX-512 and megarl._cpu is built, it runs megarl's own kernel on the [out, in]
 tensor generation kept (`out_major`, from models/decode_layout.py; csrc/cpu_wide_linear.cpp:
-the weight streamed once with a prefetch ahead), on any vendor. At the 152k x 256 head it took
+the weight streamed once with a prefetch ahead), on any vendor; that tensor is moved to huge
+pages on first use (runtime/huge_pages.py; docs/benchmarks.md). At the 152k x 256 head it took
 0.6-0.9x of the best library's time at 3-32 rows on the EPYC and on the Xeon; at 2 rows 1.1x of
 MKL's `(W @ x.T).T` on the EPYC but 0.44x on the Xeon, where that MKL path is as slow as at 16
 rows. 1 row stays with MKL's matrix-vector product (0.95-1.0x of the kernel on both). Where the
@@ -56,6 +57,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megarl.models import cpu_kernels
+from megarl.runtime import huge_pages
 
 HALF = (torch.bfloat16, torch.float16)
 SETTINGS = ("native", "fp32")  # train.cpu_half_gemm
@@ -256,6 +258,10 @@ def cpu_linears(chunks, onednn: bool | None = None, out_major=None):
                                                and (onednn or w.shape[0] >= OUT_MAJOR_MIN_OUT)))):
                         module._forward_impl = _cpu_forward_impl(module._forward_impl, out_major, onednn)
                         routed.append(module)
+            if out_major and cpu_kernels.wide_linear() is not None:
+                for t in out_major.values():  # the kernel streams the wide ones whole every decode step
+                    if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] >= OUT_MAJOR_MIN_OUT:
+                        huge_pages.collapse(t)  # at once only the first time (runtime/huge_pages.py)
         yield len(routed)
     finally:
         for module in routed:
