@@ -63,6 +63,24 @@ def cpu_extension():
     return ext
 
 
+# What megarl._C is built for when no GPU is visible and TORCH_CUDA_ARCH_LIST is unset: A100 and
+# H100/H200 machine code, plus sm_90 PTX that newer GPUs compile when they load it.
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+
+
+def default_cuda_archs(visible_gpus: int):
+    """Set TORCH_CUDA_ARCH_LIST to DEFAULT_CUDA_ARCHS where nothing chose the GPUs to build for;
+    returns what it set, or None. torch builds for the visible GPUs when the variable is unset,
+    and with none visible (a Docker build, a login node, a CPU machine with a CUDA torch and the
+    toolkit) its arch detection raises IndexError, which would fail the whole install."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or visible_gpus > 0:
+        return None
+    os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
+    print(f"megarl: no GPU visible; building megarl._C for compute capabilities {DEFAULT_CUDA_ARCHS} "
+          "(set TORCH_CUDA_ARCH_LIST to choose)", file=sys.stderr)
+    return DEFAULT_CUDA_ARCHS
+
+
 def cuda_extension():
     """megarl._C (the .cu kernels + bindings.cpp), or None without a CUDA torch and toolkit."""
     import torch
@@ -72,7 +90,8 @@ def cuda_extension():
     home = cuda_home()
     if home is None:
         return None
-    os.environ.setdefault("CUDA_HOME", home)  # read by torch.utils.cpp_extension on import
+    os.environ.setdefault("CUDA_HOME", home)  # get_extensions() set it already; for direct callers
+    default_cuda_archs(torch.cuda.device_count())
     from torch.utils.cpp_extension import CUDAExtension
 
     sources = [os.path.relpath(p, ROOT) for p in kernel_sources()]
@@ -86,6 +105,9 @@ def cuda_extension():
 
 
 def get_extensions():
+    home = cuda_home()
+    if home is not None:  # before anything imports torch.utils.cpp_extension, which reads it once;
+        os.environ.setdefault("CUDA_HOME", home)  # unset, it takes nvcc's parent (/usr/local/bin/nvcc: /usr/local)
     exts = []
     for make in (cpu_extension, cuda_extension):
         try:

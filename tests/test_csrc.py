@@ -94,6 +94,42 @@ def test_build_py_describes_the_cpu_extension_and_cuda_only_with_a_toolkit(monke
     assert "megarl._cpu" not in [e.name for e in build.get_extensions()[0]]
 
 
+def test_build_py_exports_the_toolkit_before_any_extension_is_described(monkeypatch):
+    """torch.utils.cpp_extension reads CUDA_HOME once, on import (the CPU extension imports it
+    first); unset, it takes nvcc's parent directory, /usr/local for a /usr/local/bin/nvcc, and
+    megarl._C then fails to link (-lcudart not found). get_extensions() exports the toolkit's root
+    before describing anything."""
+    monkeypatch.setattr(build, "cuda_home", lambda: "/opt/toolkit-under-test")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    seen = []
+    monkeypatch.setattr(build, "cpu_extension", lambda: seen.append(os.environ.get("CUDA_HOME")))
+    monkeypatch.setattr(build, "cuda_extension", lambda: None)
+    build.get_extensions()
+    assert seen == ["/opt/toolkit-under-test"]
+    monkeypatch.setenv("CUDA_HOME", "/users/choice")  # the user's setting stays
+    build.get_extensions()
+    assert seen[-1] == "/users/choice"
+
+
+def test_build_py_picks_the_cuda_archs_only_where_nothing_else_does(monkeypatch):
+    """No GPU visible and TORCH_CUDA_ARCH_LIST unset: build.py sets a list torch's own parser
+    turns into -gencode flags (unset, torch's detection raises IndexError and fails the install);
+    a visible GPU or the user's list is left to torch."""
+    from torch.utils.cpp_extension import _get_cuda_arch_flags
+
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    assert build.default_cuda_archs(visible_gpus=1) is None
+    assert "TORCH_CUDA_ARCH_LIST" not in os.environ
+    assert build.default_cuda_archs(visible_gpus=0) == build.DEFAULT_CUDA_ARCHS
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == build.DEFAULT_CUDA_ARCHS
+    flags = _get_cuda_arch_flags()
+    assert "-gencode=arch=compute_80,code=sm_80" in flags and "-gencode=arch=compute_90,code=sm_90" in flags
+    assert "-gencode=arch=compute_90,code=compute_90" in flags  # PTX for newer GPUs
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.9")  # the user's choice stays
+    assert build.default_cuda_archs(visible_gpus=0) is None
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.9"
+
+
 # ----------------------------------------------------------------------------- host harness
 
 F32P = ctypes.POINTER(ctypes.c_float)
