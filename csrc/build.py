@@ -90,7 +90,6 @@ def cuda_extension():
     home = cuda_home()
     if home is None:
         return None
-    os.environ.setdefault("CUDA_HOME", home)  # get_extensions() set it already; for direct callers
     default_cuda_archs(torch.cuda.device_count())
     from torch.utils.cpp_extension import CUDAExtension
 

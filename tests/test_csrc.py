@@ -79,7 +79,19 @@ def test_bindings_compile():
     open(stamp, "w").close()
 
 
-def test_build_py_describes_the_cpu_extension_and_cuda_only_with_a_toolkit(monkeypatch):
+@pytest.fixture
+def build_env(monkeypatch):
+    """build.py writes CUDA_HOME and TORCH_CUDA_ARCH_LIST into os.environ: start each test with
+    them unset and give the rest of the session back what it had (set first, so that monkeypatch
+    records the original state even where the variable was absent)."""
+    for name in ("CUDA_HOME", "TORCH_CUDA_ARCH_LIST"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_build_py_describes_the_cpu_extension_and_cuda_only_with_a_toolkit(build_env):
+    monkeypatch = build_env
     ext_modules, cmdclass = build.get_extensions()  # must not raise anywhere
     names = sorted(e.name for e in ext_modules)
     want = []
@@ -94,13 +106,13 @@ def test_build_py_describes_the_cpu_extension_and_cuda_only_with_a_toolkit(monke
     assert "megarl._cpu" not in [e.name for e in build.get_extensions()[0]]
 
 
-def test_build_py_exports_the_toolkit_before_any_extension_is_described(monkeypatch):
+def test_build_py_exports_the_toolkit_before_any_extension_is_described(build_env):
     """torch.utils.cpp_extension reads CUDA_HOME once, on import (the CPU extension imports it
     first); unset, it takes nvcc's parent directory, /usr/local for a /usr/local/bin/nvcc, and
     megarl._C then fails to link (-lcudart not found). get_extensions() exports the toolkit's root
     before describing anything."""
+    monkeypatch = build_env
     monkeypatch.setattr(build, "cuda_home", lambda: "/opt/toolkit-under-test")
-    monkeypatch.delenv("CUDA_HOME", raising=False)
     seen = []
     monkeypatch.setattr(build, "cpu_extension", lambda: seen.append(os.environ.get("CUDA_HOME")))
     monkeypatch.setattr(build, "cuda_extension", lambda: None)
@@ -111,13 +123,13 @@ def test_build_py_exports_the_toolkit_before_any_extension_is_described(monkeypa
     assert seen[-1] == "/users/choice"
 
 
-def test_build_py_picks_the_cuda_archs_only_where_nothing_else_does(monkeypatch):
+def test_build_py_picks_the_cuda_archs_only_where_nothing_else_does(build_env):
     """No GPU visible and TORCH_CUDA_ARCH_LIST unset: build.py sets a list torch's own parser
     turns into -gencode flags (unset, torch's detection raises IndexError and fails the install);
     a visible GPU or the user's list is left to torch."""
     from torch.utils.cpp_extension import _get_cuda_arch_flags
 
-    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch = build_env
     assert build.default_cuda_archs(visible_gpus=1) is None
     assert "TORCH_CUDA_ARCH_LIST" not in os.environ
     assert build.default_cuda_archs(visible_gpus=0) == build.DEFAULT_CUDA_ARCHS

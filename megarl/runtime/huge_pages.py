@@ -3,8 +3,9 @@
 At a few rows a decode step is bound by reading memory: megarl._cpu.wide_linear reads the LM
 head's whole weight (155 MB at 152k x 256 fp32) every step. Over 4 KiB pages that stream keeps
 missing the TLB; over 2 MiB pages the kernel took 0.75-0.95x of its time at 2-16 rows on an
-Intel Xeon, 0.6-0.85x at 2-32 rows on an AMD EPYC (docs/benchmarks.md). The weight was allocated and written long before (it is a parameter), so
-asking for huge pages at allocation is too late: `collapse(t)` madvises t's memory
+Intel Xeon, 0.6-0.85x at 2-32 rows on an AMD EPYC (docs/benchmarks.md). The weight was allocated
+and written long before (it is a parameter), so asking for huge pages at allocation is too late:
+`collapse(t)` madvises t's memory
 MADV_HUGEPAGE and then MADV_COLLAPSE (Linux >= 6.1), which moves the pages already written to
 huge pages now, values untouched. Once per tensor's memory: a second call finds them huge and
 returns at once (measured: 0.33 s the first time for 146 MB, 0.1 ms after). megarl's CPU
