@@ -1,7 +1,7 @@
 """CPU benchmark: one decode step's attention over the KV cache, megarl's kernel vs torch SDPA.
 
     python bench/bench_decode_attention.py [--reps 7] [--threads 1] [--quick]
-    python bench/bench_decode_attention.py --rollout default|realistic [--ab attention|head|prefix|sampler]
+    python bench/bench_decode_attention.py --rollout default|realistic [--ab attention|head|prefix|sampler|step]
                                            [--reps 3] [--prompts N]
 
 Per shape, `layers` separate caches of [rows, kv_heads, max_len, d] fp32 (the engine's layout)
@@ -24,7 +24,9 @@ and whether the two sampled the same tokens. `--ab head` compares the same way m
 LM-head GEMM at 2-32 rows (csrc/cpu_wide_linear.cpp, models/cpu_gemm.py) against MKL / oneDNN;
 `--ab prefix` the kernel reading each prompt's cached positions from its group's first row
 (`prefix_rows`, the engine's default) against every row reading its own copy; `--ab sampler`
-megarl._cpu's draw (csrc/cpu_sampling.cpp, rollout/sampling.py) against torch's ops.
+megarl._cpu's draw (csrc/cpu_sampling.cpp, rollout/sampling.py) against torch's ops; `--ab step`
+the decode steps through models/decode_step.py (the engine's default at PP 1) against the model's
+own megatron-core modules.
 --prompts: prompts of the replayed batch (default 8, realistic 2), 8 samples each.
 """
 import argparse
@@ -56,9 +58,9 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="two small shapes, 2 reps: a smoke run")
     ap.add_argument("--rollout", choices=("default", "realistic"), help="time bench_rl_step.py's generate phase")
-    ap.add_argument("--ab", choices=("attention", "head", "prefix", "sampler"), default="attention",
+    ap.add_argument("--ab", choices=("attention", "head", "prefix", "sampler", "step"), default="attention",
                     help="--rollout: the kernel compared (decode attention, the LM head's GEMM, shared prompt "
-                         "reads in decode attention, the draw)")
+                         "reads in decode attention, the draw, the decode step's path)")
     ap.add_argument("--prompts", type=int, help="--rollout: prompts of the batch (default 8; realistic 2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -174,6 +176,8 @@ def rollout_ab(args) -> None:
                    "own copies": lambda: setattr(engine[0], "shared_prompt_reads", False)},
         "sampler": {"megarl kernel": lambda: setattr(sampling, "cpu_sampler", cpu_sampler),
                     "torch ops": lambda: setattr(sampling, "cpu_sampler", lambda filtered: None)},
+        "step": {"decode_step.py": lambda: setattr(engine[0], "decode_fast_path", True),
+                 "megatron-core modules": lambda: setattr(engine[0], "decode_fast_path", False)},
     }[args.ab]
     with tempfile.TemporaryDirectory(prefix="bench_decode_attention_") as work:
         model_dir, prompts_file = rl.build_assets(w, work)
@@ -195,7 +199,7 @@ def rollout_ab(args) -> None:
                 times[name].append(time.process_time() - c0)
                 lens[name], rollouts[name] = r.response_lens.float().mean().item(), r
         da.cpu_kernel, cpu_kernels.wide_linear, sampling.cpu_sampler = cpu_kernel, wide_linear, cpu_sampler
-        stage.engine.shared_prompt_reads = True
+        stage.engine.shared_prompt_reads = stage.engine.decode_fast_path = True
     (mine, theirs) = variants
     same, lp_err = same_samples(rollouts[mine], rollouts[theirs])
     print(f"\n## Generate phase of bench_rl_step.py --workload {args.rollout}, fp32, {args.threads} thread(s), "
@@ -203,7 +207,7 @@ def rollout_ab(args) -> None:
           f"{lens[theirs]:.0f} with {theirs}; sampled tokens identical in {same} of {len(rollouts[mine].tokens)} "
           f"rows, log-probs before any first difference within {lp_err:.1e})\n")
     what = {"attention": "decode attention", "head": "LM head at 2-32 rows", "prefix": "decode attention's reads",
-            "sampler": "the draw"}[args.ab]
+            "sampler": "the draw", "step": "decode steps"}[args.ab]
     print(f"| {what} | best CPU-s | median CPU-s |")
     print("|---|---|---|")
     for name, ts in times.items():

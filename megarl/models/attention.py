@@ -25,6 +25,7 @@ so in one line for them.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -111,6 +112,7 @@ def _packed_rows(packed, device: torch.device) -> tuple[list[int], Tensor]:
     return rows[1], rows[2]
 
 
+@functools.cache
 def self_attention_class():
     """Built lazily, so that importing megarl needs no megatron-core."""
     from megatron.core.transformer.attention import SelfAttention

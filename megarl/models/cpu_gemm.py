@@ -196,25 +196,38 @@ def onednn_pays(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return False
 
 
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """megatron-core's no-grad linear (LinearWithGradAccumulationAndAsyncCommunication.forward
+    without sequence parallelism): the same two ops, without the autograd Function around them."""
+    out = torch.matmul(x, weight.t())
+    return out + bias if bias is not None else out
+
+
 def _cpu_forward_impl(megatron_impl, out_major=None, onednn: bool = True):
     """A linear's `_forward_impl` (megatron-core calls it with keywords: input, weight, bias,
     sequence_parallel, and the backward's settings) that runs a wide weight's GEMM at 2-32 rows
     through megarl._cpu's kernel (out_major: {id(weight): the same values in [out, in] memory}),
     with `onednn` every other local GEMM of 2+ rows through oneDNN (a wide weight's at 2-4 rows
     through MKL on its [out, in] memory where the kernel is missing), and megatron's own
-    implementation everywhere else (module docstring)."""
+    implementation everywhere else (module docstring). `plain=True` (models/decode_step.py, no
+    autograd, no sequence parallelism) runs megatron's maths there without its autograd Function."""
     kernel = cpu_kernels.wide_linear() if out_major else None  # megarl._cpu.wide_linear, or None
 
-    def forward_impl(input, weight, bias=None, sequence_parallel=False, **kwargs):
+    def megatron(input, weight, bias, sequence_parallel, plain, kwargs):
+        if plain:
+            return plain_linear(input, weight, bias)
+        return megatron_impl(input=input, weight=weight, bias=bias, sequence_parallel=sequence_parallel, **kwargs)
+
+    def forward_impl(input, weight, bias=None, sequence_parallel=False, plain=False, **kwargs):
         rows = input.numel() // max(input.shape[-1], 1)
         if (sequence_parallel or torch.is_grad_enabled() or rows < ONEDNN_MIN_ROWS
                 or input.device.type != "cpu" or input.dtype != torch.float32 or weight.dtype != torch.float32):
-            return megatron_impl(input=input, weight=weight, bias=bias, sequence_parallel=sequence_parallel, **kwargs)
+            return megatron(input, weight, bias, sequence_parallel, plain, kwargs)
         wide = out_major.get(id(weight)) if out_major and weight.shape[0] >= OUT_MAJOR_MIN_OUT else None
         use_kernel = (wide is not None and kernel is not None and WIDE_KERNEL_ROWS[0] <= rows <= WIDE_KERNEL_ROWS[1]
                       and wide.is_contiguous())
         if not (use_kernel or onednn):
-            return megatron_impl(input=input, weight=weight, bias=bias, sequence_parallel=sequence_parallel, **kwargs)
+            return megatron(input, weight, bias, sequence_parallel, plain, kwargs)
         x = input.reshape(rows, input.shape[-1]).contiguous()  # [rows, in]
         if use_kernel:
             out = kernel(x, wide)  # [rows, out]: megarl's kernel streams the [out, in] memory once

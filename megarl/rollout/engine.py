@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megarl.models import cpu_gemm, decode_layout
+from megarl.models import cpu_gemm, decode_layout, decode_step
 from megarl.models.layout import unwrap
 from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens
 from megarl.rollout.tools import ERROR, TIMEOUT, Toolbox
@@ -102,7 +102,8 @@ class MegatronRolloutEngine(RolloutEngine):
     def __init__(self, role, *, vocab_size: int, pad_id: int, decode: Callable[[list[int]], str] | None = None,
                  max_batch_size: int = 64, max_seq_len: int | None = None, pp_microbatches: int | None = None,
                  compact: bool = True, tools: Toolbox | None = None, encode: Callable[[str], list[int]] | None = None,
-                 in_major_weights: bool = True, onednn_linears: bool | None = None, cpu_half_gemm: str | None = None):
+                 in_major_weights: bool = True, onednn_linears: bool | None = None, cpu_half_gemm: str | None = None,
+                 decode_fast_path: bool = True):
         """role: a megarl Role (or its model, possibly DDP / Float16Module wrapped) with an LM head.
         vocab_size: the true vocabulary (padded columns are never sampled).
         max_batch_size: rows per KV cache (micro-batch); the cache is freed after each.
@@ -123,7 +124,11 @@ class MegatronRolloutEngine(RolloutEngine):
             [out, in] tensor when in_major_weights kept it and the kernel runs here
             (models/cpu_gemm.py). No effect on GPU or for bf16 weights.
         cpu_half_gemm: how bf16/fp16 GEMMs run on CPU (train.cpu_half_gemm, models/cpu_gemm.py);
-            default: the role's setting, else "native" (torch's half kernels)."""
+            default: the role's setting, else "native" (torch's half kernels).
+        decode_fast_path: decode steps at PP 1 run models/decode_step.py (the same operations on the
+            same tensors as the model's modules, without megatron-core's per-module calls: the
+            same logits, bit for bit) where it serves the model; prefill and other models call the
+            model. False: every step calls the model."""
         self.chunks = _model_chunks(role)
         self.model = self.chunks[0]
         self.gpt = unwrap(self.model)
@@ -141,6 +146,7 @@ class MegatronRolloutEngine(RolloutEngine):
         self.tools = tools if tools is not None and tools.tools else None
         self.encode = encode
         self.in_major_weights = bool(in_major_weights)
+        self.decode_fast_path = bool(decode_fast_path)
         self.onednn_linears = cpu_gemm.onednn_pays() if onednn_linears is None else bool(onednn_linears)
         # decode steps read a shared prompt's cached keys and values from the first row of its
         # group (the same values; models/decode_attention.py); False reads every row's own copy
@@ -181,11 +187,15 @@ class MegatronRolloutEngine(RolloutEngine):
               decode_layout.in_major_weights(self.chunks, self.in_major_weights) as out_major,
               cpu_gemm.cpu_linears(self.chunks, self.onednn_linears, out_major),
               cpu_gemm.half_gemms_in_fp32(self.chunks, self.half_gemms_fp32)):
+            # in the state the steps run in (eval, sequence parallelism off); None: the model's own path
+            pp1 = self.config.pipeline_model_parallel_size == 1
+            fast = decode_step.plan(self.model) if self.decode_fast_path and pp1 else None
+            stats["decode_fast_path"] = fast is not None
             for b0 in range(0, N, self.max_batch_size):
                 batch = order[b0: b0 + self.max_batch_size]
                 out = self._generate_batch([rows[r] for r in batch],
                                            torch.tensor([sample_offset + r for r in batch], dtype=torch.long),
-                                           params, seed, stats)
+                                           params, seed, stats, fast)
                 for k, r in enumerate(batch):
                     responses[r], logprobs[r], stopped[r] = out[0][k], out[1][k], out[2][k]
                     for name in _ROW_EXTRAS:
@@ -210,8 +220,9 @@ class MegatronRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ one KV-cache batch
 
-    def _generate_batch(self, prompts, sample_ids, params, seed, stats):
-        """Rows of one KV cache -> (responses, logprobs, stopped) per row, on every rank."""
+    def _generate_batch(self, prompts, sample_ids, params, seed, stats, fast=None):
+        """Rows of one KV cache -> (responses, logprobs, stopped) per row, on every rank.
+        fast: models/decode_step.py's plan for the decode steps, or None."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
         dev = self.device
@@ -264,7 +275,8 @@ class MegatronRolloutEngine(RolloutEngine):
                     if self.shared_prompt_reads:  # positions < P: the prompt, the same in every row of a run
                         ctx.prefix_rows, ctx.prefix_len = _run_leaders(expand), P
                 else:
-                    ids, lps = self._step(step_tokens, positions, mask, ctx, params, seed, sample_ids[active], t)  # [A]
+                    ids, lps = self._step(step_tokens, positions, mask, ctx, params, seed, sample_ids[active], t,
+                                          fast=fast)  # [A]
                 offset += step_tokens.shape[1]
                 ctx.increment_sequence_len_offset(step_tokens.shape[1])
                 if t == 0:
@@ -384,14 +396,18 @@ class MegatronRolloutEngine(RolloutEngine):
         ids, lps = sample_tokens(filtered, params, uniforms, with_logprobs=params.logprobs)
         return ids, (lps if lps is not None else torch.zeros(ids.shape, dtype=torch.float32, device=ids.device))
 
-    def _step(self, tokens, positions, mask, ctx, params, seed, sample_ids, step, expand=None):
+    def _step(self, tokens, positions, mask, ctx, params, seed, sample_ids, step, expand=None, fast=None):
         """One forward (prefill or decode) and the sampled ids [B] / log-probs [B] on every rank (CPU).
         expand: [B] the forward row each sampled row reads (a prompt prefilled once for its
-        samples); None: row i reads forward row i."""
+        samples); None: row i reads forward row i. fast: decode_step's plan (PP 1): a decode
+        step runs there instead of through the model's modules (the same logits)."""
         pp = self.config.pipeline_model_parallel_size
         if pp == 1:
             with _cpu_shim_suspended():
-                logits = self.model(tokens, positions, mask, inference_context=ctx, runtime_gather_output=True)
+                if fast is not None and tokens.shape[1] == 1:
+                    logits = decode_step.decode_logits(fast, tokens, positions, mask, ctx)  # [A, 1, V_pad]
+                else:
+                    logits = self.model(tokens, positions, mask, inference_context=ctx, runtime_gather_output=True)
                 if expand is not None:
                     logits = logits[expand.to(logits.device)]
                 ids, lps = self._sample(logits, params, seed, sample_ids, step)
