@@ -112,34 +112,37 @@ def plan(model) -> DecodePlan | None:
             return None
     except AttributeError:  # another megatron-core's modules: their own path
         return None
-    wrappers, m = [], model
-    while hasattr(m, "module"):
-        wrappers.append(m)
+    fp32_output, m = False, model
+    while hasattr(m, "module"):  # DDP / Float16Module wrappers, as layout.unwrap walks them
+        fp32_output |= isinstance(m, Float16Module)
         m = m.module
-    group = ps.get_tensor_model_parallel_group()
-    return DecodePlan(gpt=gpt, fp32_output=any(isinstance(w, Float16Module) for w in wrappers),
-                      tp_group=group, tp=ps.get_tensor_model_parallel_world_size())
+    return DecodePlan(gpt=gpt, fp32_output=fp32_output, tp_group=ps.get_tensor_model_parallel_group(),
+                      tp=ps.get_tensor_model_parallel_world_size())
 
 
 def _norm(norm, x):
     return F.rms_norm(x, norm.normalized_shape, norm.weight, norm.eps)  # torch.nn.RMSNorm.forward
 
 
-def _column(linear, x):
-    """ColumnParallelLinear(x)[0] without gathering: the input is copied to every TP rank
-    (an identity in the forward), each rank computes its output shard."""
-    impl = vars(linear).get("_forward_impl")  # models/cpu_gemm.py's routing while generating on a CPU
-    bias = None if linear.skip_bias_add else linear.bias
+def _local_gemm(linear, x, bias):
+    """A megatron linear's `_forward_impl` on this rank's shard: models/cpu_gemm.py's routing while
+    generating on a CPU (megatron's maths without its autograd Function where it hands back), else
+    that maths directly."""
+    impl = vars(linear).get("_forward_impl")
     if impl is not None:
         return impl(input=x, weight=linear.weight, bias=bias, sequence_parallel=False, plain=True)
     return plain_linear(x, linear.weight, bias)
 
 
+def _column(linear, x):
+    """ColumnParallelLinear(x)[0] without gathering: the input is copied to every TP rank
+    (an identity in the forward), each rank computes its output shard."""
+    return _local_gemm(linear, x, None if linear.skip_bias_add else linear.bias)
+
+
 def _row(linear, x, plan: DecodePlan):
     """RowParallelLinear(x)[0] (no bias): each rank's partial product, summed over TP."""
-    impl = vars(linear).get("_forward_impl")
-    out = (impl(input=x, weight=linear.weight, bias=None, sequence_parallel=False, plain=True) if impl is not None
-           else plain_linear(x, linear.weight, None))
+    out = _local_gemm(linear, x, None)
     if plan.tp > 1:
         dist.all_reduce(out, group=plan.tp_group)  # megatron's reduce_from_tensor_model_parallel_region
     return out
