@@ -1,6 +1,6 @@
 """CPU benchmark: one RL step's rollout with the linears' weights read in [in, out] memory and
 their GEMMs run by oneDNN or by MKL, the LM head's at few rows on its stored [out, in] memory
-(megarl._cpu's kernel at 2-32 rows; without it, MKL at 2-4 rows with oneDNN) or not, and
+(megarl._cpu's kernel at 1-32 rows; without it, MKL at 2-4 rows with oneDNN) or not, and
 megatron-core's stored [out, in] with MKL. megarl's default on CPU (models/decode_layout.py and
 cpu_gemm.py) is the [in, out] memory, the head's kernel, and oneDNN on an AMD CPU, MKL elsewhere;
 the summary compares this machine's default with the others. With --score, also the step's
@@ -68,7 +68,7 @@ def main():
 
         def rollout(flags):
             engine.in_major_weights, engine.onednn_linears = flags[:2]
-            # the LM head at few rows on [out, in]: megarl._cpu's kernel at 2-32 rows, else MKL at 2-4
+            # the LM head at few rows on [out, in]: megarl._cpu's kernel at 1-32 rows, else MKL at 2-4
             cpu_gemm.OUT_MAJOR_MAX_ROWS = head_rows if flags[2] else 0
             cpu_kernels.wide_linear = wide_kernel if flags[2] else (lambda: None)
             t0, c0 = time.perf_counter(), time.process_time()

@@ -8,7 +8,7 @@ same product as `(W @ x.T).T` (no copy) or `x @ W.t().contiguous()` (a second, [
 weight) takes other kernels. oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`,
 what megarl's generation runs at 2+ rows, models/cpu_gemm.py) reads either memory order.
 `megarl wide_linear, W` is megarl._cpu's kernel (csrc/cpu_wide_linear.cpp), what generation runs
-at 2-32 rows where it is built and the CPU has AVX-512. Prints best / median ms per variant and
+at 1-32 rows where it is built and the CPU has AVX-512. Prints best / median ms per variant and
 the error against float64; the variants are interleaved rep by rep.
 """
 import argparse

@@ -281,6 +281,17 @@ def decode_seconds(args, reps: int = 3) -> dict:
     return seconds
 
 
+def phase_floors(args, rates: dict, prompt_len: float, response_len: float) -> dict:
+    """`necessary_flops` at `rates` as CPU-s per phase: generate (decode fwd), score_reference
+    (one forward), train_actor (a forward, the input and the weight gradients) and the step."""
+    flops = necessary_flops(args, prompt_len, response_len)
+    secs = {key: v / 1e9 / rates[key] for key, v in flops.items()}
+    gen = sum(v for (_, kind), v in secs.items() if kind == "decode fwd")
+    fwd = sum(v for (_, kind), v in secs.items() if kind == "fwd") / 2  # the reference's half
+    grads = sum(v for (_, kind), v in secs.items() if kind in ("dgrad", "wgrad"))
+    return {"generate": gen, "score_reference": fwd, "train_actor": fwd + grads, "step": sum(secs.values())}
+
+
 def decode_step_floor(args, seconds: dict, response_lens: list[int]) -> float:
     """Seconds of the GEMMs of one rollout's decode steps when every step runs only its live rows:
     step t >= 1 (token 0 comes from the prefill) has m_t = #responses longer than t rows, and costs
@@ -463,7 +474,8 @@ def summary(results: list[dict]) -> dict:
             "phases": {p: statistics.median(r["phases"][p] for r in results) for p in phase_names},
             "response_len": statistics.mean(r["response_len"] for r in results),
             "response_lens": [r["response_lens"] for r in results if "response_lens" in r],
-            "prompt_len": statistics.mean(r.get("prompt_len", 0.0) for r in results)}
+            "prompt_len": statistics.mean(r.get("prompt_len", 0.0) for r in results),
+            "steps": results}
 
 
 def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s: dict | None = None) -> None:
@@ -513,6 +525,15 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s
               f"(target <= 1.25x)"
               + (f"; TRL {trl['cpu_mean'] / floor:.2f}x (its mean response {trl['response_len']:.0f} tokens)"
                  if trl is not None else ""))
+        per_step = [r["cpu"] / phase_floors(args, rates, r["prompt_len"], r["response_len"])["step"]
+                    for r in mg["steps"]]
+        print(f"\nmegarl per step against the floor at that step's own lengths: "
+              f"{', '.join(f'{x:.2f}x' for x in per_step)} (median {statistics.median(per_step):.2f}x)")
+        shares = phase_floors(args, rates, mg["prompt_len"], mg["response_len"])
+        print("\n| phase | megarl s (phases: median wall; step: mean CPU) | FLOP floor, CPU-s | ratio |\n|---|---|---|---|")
+        for p, f in shares.items():
+            m = mg["cpu_mean"] if p == "step" else mg["phases"][p]
+            print(f"| {p} | {m:.2f} | {f:.2f} | {m / f:.2f}x |")
         if mg["response_lens"] and decode_s:
             # prefill once per prompt at the training GEMMs' rate, then the decode steps as they come
             from bench_gemm_floor import linears

@@ -6,8 +6,10 @@
 // 10-23 ms a step, docs/benchmarks.md). Here W is streamed once, 4 of its rows at a time, with
 // a software prefetch into L2 64 rows ahead, spread over the FMAs; each block of 4 weight rows is
 // multiplied by the rows of x 4 at a time, 16 accumulators of 16 lanes (independent FMA chains)
-// summed across lanes once per block. fp32 throughout; the sums differ from MKL's only in their
-// order. megarl moves W to huge pages before generation reads it (runtime/huge_pages.py).
+// summed across lanes once per block (at 1-4 rows of x the 4 weight rows are read in turn:
+// block_rows_in_turn). Every row of x gets its sums in the same order whatever R is, so the same
+// bits. fp32 throughout; the sums differ from MKL's only in their order. megarl moves W to huge
+// pages before generation reads it (runtime/huge_pages.py).
 #include "cpu_common.h"
 
 #include <ATen/Parallel.h>
@@ -75,6 +77,46 @@ inline __attribute__((always_inline)) void block(const float* x, int64_t h, cons
   for (int j = 0; j < RB; ++j) _mm_storeu_ps(out + j * ldo, sum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
 }
 
+// block<RB> for RB <= 4 rows of x (one row block), with the same sums in the same order (every
+// accumulator adds its products over k in turn, then sum4), but the 4 weight rows read one after
+// the other instead of side by side: at 1-4 rows a decode step is bound by reading W, and one
+// sequential stream is what the hardware prefetchers follow best. On an AMD EPYC (Zen 4) at
+// 152k x 256: 4.6-5.5 ms against block<RB>'s 6.3-8.2 ms at 1-4 rows, a plain read of W taking
+// 4.8 ms (bench/bench_gemm_floor.py --read-bound); from 6 rows on, where the FMAs' latency
+// chains bind (4 accumulators in flight here, 16 there), block<RB> is faster.
+template <int RB>
+inline __attribute__((always_inline)) void block_rows_in_turn(const float* x, int64_t h, const float* w, float* out,
+                                                              int64_t ldo, const char* pf, int64_t pf_lines) {
+  __m512 acc[RB][4];
+  for (int j = 0; j < RB; ++j)
+    for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
+  const int64_t h16 = h & ~int64_t(15);
+  // pf_lines cache lines at pf: a quarter while each weight row is read, a few per k step
+  const int64_t per_row = (pf_lines + 3) / 4, k_steps = h16 / 16;
+  const int64_t per_step = k_steps ? (per_row + k_steps - 1) / k_steps : 0;
+  int64_t issued = 0;
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const float* wi = w + i * h;
+    int64_t mine = 0;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < h16; k += 16) {
+      const __m512 wk = _mm512_loadu_ps(wi + k);
+      for (int j = 0; j < RB; ++j) acc[j][i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + j * h + k), wk, acc[j][i]);
+      for (int64_t q = 0; q < per_step && mine < per_row && issued < pf_lines; ++q, ++mine, ++issued)
+        _mm_prefetch(pf + issued * 64, _MM_HINT_T1);
+    }
+    if (h16 < h) {
+      const __mmask16 m = __mmask16((1u << (h - h16)) - 1);
+      const __m512 wk = _mm512_maskz_loadu_ps(m, wi + h16);
+      for (int j = 0; j < RB; ++j)
+        acc[j][i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + j * h + h16), wk, acc[j][i]);
+    }
+  }
+  for (; issued < pf_lines; ++issued) _mm_prefetch(pf + issued * 64, _MM_HINT_T1);
+  for (int j = 0; j < RB; ++j) _mm_storeu_ps(out + j * ldo, sum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+}
+
 constexpr int64_t kPrefetchRows = 64;  // 64 weight rows ahead (64 KB at h = 256), into L2
 
 // Weight rows [v0, v1) (v1 - v0 a multiple of 4) against all R rows of x.
@@ -93,6 +135,15 @@ void rows_avx512(const float* x, int64_t R, const float* w, int64_t V, int64_t h
     const char* pf = v + kPrefetchRows + 4 <= V ? reinterpret_cast<const char*>(wv + kPrefetchRows * h) : nullptr;
     auto share = [&](int64_t rb) { return pf ? first_line[rb + 1] - first_line[rb] : 0; };
     auto from = [&](int64_t rb) { return pf ? pf + first_line[rb] * 64 : pf; };
+    if (R <= 4) {  // bound by reading W: its rows in turn (block_rows_in_turn)
+      switch (R) {
+        case 4: block_rows_in_turn<4>(x, h, wv, out + v, V, from(0), share(0)); break;
+        case 3: block_rows_in_turn<3>(x, h, wv, out + v, V, from(0), share(0)); break;
+        case 2: block_rows_in_turn<2>(x, h, wv, out + v, V, from(0), share(0)); break;
+        default: block_rows_in_turn<1>(x, h, wv, out + v, V, from(0), share(0)); break;
+      }
+      continue;
+    }
     int64_t r = 0;
     for (; r + 4 <= R; r += 4) block<4>(x + r * h, h, wv, out + r * V + v, V, from(r / 4), share(r / 4));
     switch (R - r) {

@@ -286,7 +286,7 @@ def _wide_kernel():
 @pytest.mark.parametrize("kernel", ["megarl", None])
 def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel, monkeypatch):
     """The LM head at few rows reads the [out, in] tensor generation kept: megarl._cpu's
-    wide_linear at 2-32 rows (where built and the CPU has AVX-512), MKL's (W @ x.T).T at 2-4 rows
+    wide_linear at 1-32 rows (where built and the CPU has AVX-512), MKL's (W @ x.T).T at 2-4 rows
     without the kernel; at more rows, without that tensor, or on a narrower weight it runs oneDNN;
     every result equal to float64."""
     from megarl.models import cpu_gemm, cpu_kernels
@@ -320,8 +320,8 @@ def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel,
             "megarl" if len(kernel_calls) > before else "")
 
     if kernel:
-        assert [libraries(r, w, bias) for r in (2, 3, 4, 5, 8, 32, 33)] == ["megarl"] * 6 + ["oneDNN"]
-        assert kernel_calls == [2, 3, 4, 5, 8, 32]
+        assert [libraries(r, w, bias) for r in (1, 2, 3, 4, 5, 8, 32, 33)] == ["megarl"] * 7 + ["oneDNN"]
+        assert kernel_calls == [1, 2, 3, 4, 5, 8, 32]
     else:
         assert [libraries(r, w, bias) for r in (2, 3, 4, 5, 8)] == ["MKL"] * 3 + ["oneDNN"] * 2
     assert libraries(3, narrow) == "oneDNN"  # not wide: oneDNN wins there
@@ -329,11 +329,11 @@ def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel,
     assert calls == []
     # without oneDNN (an Intel CPU): the kernel where it runs, megatron's own path (MKL) for the rest
     no_onednn = _cpu_forward_impl(_fake_megatron_impl(calls), {id(w): stored, id(narrow): narrow.data}, onednn=False)
-    rows = (2, 3, 32, 33)
+    rows = (1, 2, 3, 32, 33)
     assert [libraries(r, w, bias, no_onednn) for r in rows] == (
-        ["megarl"] * 3 + ["MKL"] if kernel else ["MKL"] * 4)
+        ["megarl"] * 4 + ["MKL"] if kernel else ["MKL"] * 5)
     assert libraries(3, narrow, None, no_onednn) == "MKL"
-    assert len(calls) == (2 if kernel else 5)  # megatron's path: 33 rows and the narrow weight (+ 2-32 without the kernel)
+    assert len(calls) == (2 if kernel else 6)  # megatron's path: 33 rows and the narrow weight (+ 1-32 without the kernel)
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -361,6 +361,21 @@ def test_wide_linear_equals_a_float64_product(rows, out, h):
     assert y.shape == (rows, out) and y.dtype == torch.float32
     # fp32 sums of h products of N(0, 1) values: a few ulp of sqrt(h)
     assert float((y.double() - ref).abs().max()) < 2e-6 * h ** 0.5 * 8, float((y.double() - ref).abs().max())
+
+
+@pytest.mark.skipif(_wide_kernel() is None, reason="megarl._cpu.wide_linear needs the built extension and AVX-512")
+@pytest.mark.parametrize("h", [256, 40])
+def test_wide_linear_gives_a_row_the_same_bits_whatever_rows_come_with_it(h):
+    """At 1-4 rows the kernel reads the weight's rows in turn, from 5 rows on side by side; each
+    row's sums run in the same order either way, so a row's logits do not depend on how many rows
+    a decode step still has (rows finish one by one) or where it sits among them."""
+    g = torch.Generator().manual_seed(h)
+    x, w = torch.randn(32, h, generator=g), torch.randn(1030, h, generator=g)
+    kernel = _wide_kernel()
+    alone = torch.cat([kernel(x[r:r + 1], w) for r in range(32)])
+    for rows in (2, 3, 4, 5, 7, 8, 13, 32):
+        for r0 in (0, 32 - rows):
+            assert torch.equal(kernel(x[r0:r0 + rows], w), alone[r0:r0 + rows]), (rows, r0)
 
 
 @pytest.mark.skipif(_wide_kernel() is None, reason="megarl._cpu.wide_linear needs the built extension and AVX-512")

@@ -1,5 +1,5 @@
 """CPU generation reads each linear's weight from [in, out] memory (models/decode_layout.py) and
-runs its GEMMs of 2+ rows through oneDNN, the LM head's at 2-32 rows through megarl._cpu where built
+runs its GEMMs of 2+ rows through oneDNN, the LM head's at 1-32 rows through megarl._cpu where built
 (models/cpu_gemm.py; the routed GEMM itself is tested in
 tests/test_cpu_gemm.py): which weights switch and which linears are routed, that they come back
 untouched (optimizer buffers included, exceptions included), and that generation is the same
@@ -21,9 +21,10 @@ def _body(rank, world_size):
     from megarl.runtime.distributed import init_distributed, teardown
 
     init_distributed(1, 1, seed=3)
-    kernel, kernel_calls = cpu_kernels.wide_linear(), [0]  # megarl._cpu's head GEMM at 2-32 rows, where built
-    cpu_kernels.wide_linear = lambda: kernel and (lambda x, w: kernel_calls.__setitem__(0, kernel_calls[0] + 1)
-                                                  or kernel(x, w))
+    # megarl._cpu's head GEMM at 1-32 rows, where built: calls of 2+ rows, and of 1 row
+    kernel, kernel_calls = cpu_kernels.wide_linear(), [0, 0]
+    cpu_kernels.wide_linear = lambda: kernel and (
+        lambda x, w: kernel_calls.__setitem__(x.shape[0] == 1, kernel_calls[x.shape[0] == 1] + 1) or kernel(x, w))
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 6, 1)]
     out = {}
@@ -83,17 +84,21 @@ def _body(rank, world_size):
         fast = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=True)
         greedy = SamplingParams(greedy=True, max_new_tokens=10)
         sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=10)
-        runs, onednn_calls, head_mkl_calls, head_kernel_calls = [], [], [], []
+        runs, onednn_calls, head_mkl_calls, head_kernel_calls, head_kernel_one_row = [], [], [], [], []
         for e, wide in ((plain, None), (mkl, None), (fast, None), (fast, VOCAB), (mkl, VOCAB)):
-            # wide: the head counts as wide (models/cpu_gemm.py), so 2-32 rows read its [out, in] tensor
+            # wide: the head counts as wide (models/cpu_gemm.py), so 1-32 rows read its [out, in] tensor
             cpu_gemm.OUT_MAJOR_MIN_OUT, default_wide = wide or cpu_gemm.OUT_MAJOR_MIN_OUT, cpu_gemm.OUT_MAJOR_MIN_OUT
-            kernel_calls[0] = 0
+            kernel_calls[:] = [0, 0]
             try:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
                     runs.append((e.generate(prompts, greedy, seed=0), e.generate(prompts, sampled, seed=4)))
+                counted = list(kernel_calls)
+                e.generate(prompts[1:2], greedy, seed=0)  # one row: every decode step's head runs 1 row
+                one_row_calls, kernel_calls[:] = kernel_calls[1] - counted[1], counted
             finally:
                 cpu_gemm.OUT_MAJOR_MIN_OUT = default_wide
             head_kernel_calls.append(kernel_calls[0])
+            head_kernel_one_row.append(one_row_calls)
             events = prof.key_averages(group_by_input_shape=True)
             onednn_calls.append(sum(ev.count for ev in events if ev.key == "mkldnn::_linear_pointwise"))
             head_mkl_calls.append(sum(ev.count for ev in events if ev.key == "aten::mm" and ev.input_shapes
@@ -102,7 +107,8 @@ def _body(rank, world_size):
         out[tied] = dict(linears=len(linears), routed=routed, routed_inside=routed_inside, routed_after=routed_after,
                          routed_no_onednn=routed_no_onednn,
                          onednn_calls=onednn_calls, head_mkl_calls=head_mkl_calls,
-                         head_kernel_calls=head_kernel_calls, kernel=kernel is not None,
+                         head_kernel_calls=head_kernel_calls, head_kernel_one_row=head_kernel_one_row,
+                         kernel=kernel is not None,
                          storages=len({w.untyped_storage().data_ptr() for w in weights}),
                          names=sorted(names[id(w)] for w in weights), switched=len(out_major), inside=inside,
                          restored=was_restored, restored_after_error=restored_after_error,
@@ -160,9 +166,10 @@ def test_every_linear_is_routed_to_onednn_and_comes_back(result, tied):
     # the 4-row greedy and 12-row sampled batches (rows left alone at the end go MKL's path)
     assert r["linears"] * 10 <= fast <= r["linears"] * 20, r["onednn_calls"]
     # a wide head: its forwards of 2-32 rows leave oneDNN for the [out, in] tensor: megarl._cpu's
-    # kernel where it runs, else MKL at 2-4 rows
-    mkl_calls, kernel_calls = r["head_mkl_calls"], r["head_kernel_calls"]
-    assert mkl_calls[2] == 0 and kernel_calls[:3] == [0, 0, 0], (mkl_calls, kernel_calls)
+    # kernel where it runs, else MKL at 2-4 rows; at 1 row (never oneDNN's) the kernel where it runs
+    mkl_calls, kernel_calls, one_row = r["head_mkl_calls"], r["head_kernel_calls"], r["head_kernel_one_row"]
+    assert mkl_calls[2] == 0 and kernel_calls[:3] == [0, 0, 0] and one_row[:3] == [0, 0, 0], (mkl_calls, kernel_calls)
+    assert (one_row[3] > 0) == r["kernel"] and one_row[4] == one_row[3], one_row
     assert (kernel_calls[3] > 0) == r["kernel"] and mkl_calls[3] + kernel_calls[3] > 0, (mkl_calls, kernel_calls)
     if r["kernel"]:
         assert mkl_calls[3] == 0, mkl_calls

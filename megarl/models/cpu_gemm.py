@@ -17,17 +17,20 @@ megatron-core's own path (MKL). Training keeps megatron's autograd function (its
 gradient accumulation fusion and main_grad).
 
 The LM head at few rows is a different GEMM: a wide weight (>= OUT_MAJOR_MIN_OUT outputs, a
-vocabulary shard) read whole for a handful of rows, bound by memory. From 2 to 32 rows, where
+vocabulary shard) read whole for a handful of rows, bound by memory. From 1 to 32 rows, where
 the CPU has AVX-512 and megarl._cpu is built, it runs megarl's own kernel on the [out, in]
 tensor generation kept (`out_major`, from models/decode_layout.py; csrc/cpu_wide_linear.cpp:
 the weight streamed once with a prefetch ahead), on any vendor; that tensor is moved to huge
 pages on first use (runtime/huge_pages.py; docs/benchmarks.md). At the 152k x 256 head it took
 0.6-0.9x of the best library's time at 3-32 rows on the EPYC and on the Xeon; at 2 rows 1.1x of
 MKL's `(W @ x.T).T` on the EPYC but 0.44x on the Xeon, where that MKL path is as slow as at 16
-rows. 1 row stays with MKL's matrix-vector product (0.95-1.0x of the kernel on both). Where the
-kernel is missing and oneDNN is routed, the wide weight's GEMM at 2-4 rows runs MKL's
-`(W @ x.T).T` on the [out, in] tensor (0.5-0.85x of oneDNN's time on the EPYC; 1.3x on the
-Xeon, which does not route).
+rows. Since its 1-4-row path reads the weight's rows in turn (2026-11-29), on the EPYC it runs
+at 1-4 rows in 0.63-0.79x of its former time, 1.0-1.15x of a plain read of the weight, and at
+1 row in 0.9x of MKL's matrix-vector product on the [in, out] memory, which 1 row ran before
+(on the Xeon neither was measured). So the head's GEMM gives every row
+the same bits at 1-32 live rows. Where the kernel is missing and oneDNN is routed, the wide
+weight's GEMM at 2-4 rows runs MKL's `(W @ x.T).T` on the [out, in] tensor (0.5-0.85x of
+oneDNN's time on the EPYC; 1.3x on the Xeon, which does not route).
 
 A half-precision GEMM on a CPU multiplies half inputs, accumulates in fp32 and rounds the result
 to half once. The product of two bf16 (or fp16) numbers is exact in fp32 (8 + 8 or 11 + 11
@@ -166,10 +169,10 @@ def half_gemms_in_fp32(chunks, enabled: bool):
 
 # ---------------------------------------------------------------- fp32 no-grad linears: oneDNN, the head's kernel
 
-ONEDNN_MIN_ROWS = 2  # below this MKL's matrix-vector product is faster (module docstring)
+ONEDNN_MIN_ROWS = 2  # below this MKL's matrix-vector product is faster than oneDNN (module docstring)
 OUT_MAJOR_MAX_ROWS = 4  # without the kernel, up to this many rows a wide weight's GEMM reads its [out, in] memory
 OUT_MAJOR_MIN_OUT = 16384  # "wide": an LM head (a vocabulary shard), not a layer's linear
-WIDE_KERNEL_ROWS = (2, 32)  # megarl._cpu.wide_linear's rows on the wide weights (module docstring)
+WIDE_KERNEL_ROWS = (1, 32)  # megarl._cpu.wide_linear's rows on the wide weights (module docstring)
 
 
 def onednn_available() -> bool:
@@ -205,7 +208,7 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _cpu_forward_impl(megatron_impl, out_major=None, onednn: bool = True):
     """A linear's `_forward_impl` (megatron-core calls it with keywords: input, weight, bias,
-    sequence_parallel, and the backward's settings) that runs a wide weight's GEMM at 2-32 rows
+    sequence_parallel, and the backward's settings) that runs a wide weight's GEMM at 1-32 rows
     through megarl._cpu's kernel (out_major: {id(weight): the same values in [out, in] memory}),
     with `onednn` every other local GEMM of 2+ rows through oneDNN (a wide weight's at 2-4 rows
     through MKL on its [out, in] memory where the kernel is missing), and megatron's own
@@ -220,13 +223,13 @@ def _cpu_forward_impl(megatron_impl, out_major=None, onednn: bool = True):
 
     def forward_impl(input, weight, bias=None, sequence_parallel=False, plain=False, **kwargs):
         rows = input.numel() // max(input.shape[-1], 1)
-        if (sequence_parallel or torch.is_grad_enabled() or rows < ONEDNN_MIN_ROWS
+        if (sequence_parallel or torch.is_grad_enabled() or rows < 1
                 or input.device.type != "cpu" or input.dtype != torch.float32 or weight.dtype != torch.float32):
             return megatron(input, weight, bias, sequence_parallel, plain, kwargs)
         wide = out_major.get(id(weight)) if out_major and weight.shape[0] >= OUT_MAJOR_MIN_OUT else None
         use_kernel = (wide is not None and kernel is not None and WIDE_KERNEL_ROWS[0] <= rows <= WIDE_KERNEL_ROWS[1]
                       and wide.is_contiguous())
-        if not (use_kernel or onednn):
+        if not use_kernel and (rows < ONEDNN_MIN_ROWS or not onednn):
             return megatron(input, weight, bias, sequence_parallel, plain, kwargs)
         x = input.reshape(rows, input.shape[-1]).contiguous()  # [rows, in]
         if use_kernel:

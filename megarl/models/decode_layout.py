@@ -55,7 +55,7 @@ def in_major_weights(chunks, enabled: bool = True):
     """Inside the block, each switchable weight holds the same values with [in, out] memory
     (`w.t()` contiguous); on exit (exception included) every weight gets its own tensor back.
     Yields {id(weight): its own [out, in] tensor} of the weights switched (kept anyway, to be put
-    back; models/cpu_gemm.py reads the LM head's at 2-32 rows). For no-grad forwards only
+    back; models/cpu_gemm.py reads the LM head's at 1-32 rows). For no-grad forwards only
     (generation)."""
     swapped = []
     try:

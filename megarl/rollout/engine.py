@@ -120,7 +120,7 @@ class MegatronRolloutEngine(RolloutEngine):
         onednn_linears: on CPU, fp32 linears of 2+ rows run through oneDNN's inner product instead
             of MKL's sgemm during the call; default: on an AMD CPU (`cpu_gemm.onednn_pays()`:
             0.7-1.0x the GEMM time at decode sizes on an AMD EPYC, 1.3-4x on an Intel Xeon).
-            Either way the LM head's GEMM at 2-32 rows runs megarl._cpu's kernel on its stored
+            Either way the LM head's GEMM at 1-32 rows runs megarl._cpu's kernel on its stored
             [out, in] tensor when in_major_weights kept it and the kernel runs here
             (models/cpu_gemm.py). No effect on GPU or for bf16 weights.
         cpu_half_gemm: how bf16/fp16 GEMMs run on CPU (train.cpu_half_gemm, models/cpu_gemm.py);
