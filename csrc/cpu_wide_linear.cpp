@@ -82,8 +82,8 @@ inline __attribute__((always_inline)) void block(const float* x, int64_t h, cons
 // the other instead of side by side: at 1-4 rows a decode step is bound by reading W, and one
 // sequential stream is what the hardware prefetchers follow best. On an AMD EPYC (Zen 4) at
 // 152k x 256: 4.6-5.5 ms against block<RB>'s 6.3-8.2 ms at 1-4 rows, a plain read of W taking
-// 4.8 ms (bench/bench_gemm_floor.py --read-bound); from 6 rows on, where the FMAs' latency
-// chains bind (4 accumulators in flight here, 16 there), block<RB> is faster.
+// 4.8 ms (bench/bench_gemm_floor.py --read-bound). From 5 rows on block<RB> runs: there the FMAs'
+// latency chains bind (4 accumulators in flight here, 16 there; at 6 rows 7.9 ms here, 5.1 there).
 template <int RB>
 inline __attribute__((always_inline)) void block_rows_in_turn(const float* x, int64_t h, const float* w, float* out,
                                                               int64_t ldo, const char* pf, int64_t pf_lines) {
