@@ -188,7 +188,7 @@ def read_bound(a) -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(a.vocab, a.hidden, generator=g)
     wt = w.t().contiguous()  # the same values input-major ([h, V]), as the rollout keeps them for MKL
-    huge = huge_pages.collapse(w) and huge_pages.collapse(wt)  # as the rollout engine does
+    huge = all([huge_pages.collapse(w), huge_pages.collapse(wt)])  # both, as the rollout engine does
     gb = w.numel() * w.element_size() / 1e9
     kernel = cpu_kernels.wide_linear()
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {a.threads} thread(s), "

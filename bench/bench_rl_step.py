@@ -514,8 +514,8 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s
         print(f"| {p} | {ms} | {ts} |")
     if rates:
         flops = necessary_flops(args, mg["prompt_len"], mg["response_len"])
-        floor = sum(v / 1e9 / rates[key] for key, v in flops.items())
-        gen = sum(v / 1e9 / rates[key] for key, v in flops.items() if key[1] == "decode fwd")
+        shares = phase_floors(args, rates, mg["prompt_len"], mg["response_len"])
+        floor, gen = shares["step"], shares["generate"]
         print(f"\nGEMM floor of the necessary work (megarl's mean prompt {mg['prompt_len']:.0f} + response "
               f"{mg['response_len']:.0f} tokens; prefill once per prompt, no padding, no prompt logits): "
               f"{sum(flops.values()) / 1e9:.0f} GFLOP at the fastest fp32 GEMM's best rates on these shapes "
@@ -529,7 +529,6 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s
                     for r in mg["steps"]]
         print(f"\nmegarl per step against the floor at that step's own lengths: "
               f"{', '.join(f'{x:.2f}x' for x in per_step)} (median {statistics.median(per_step):.2f}x)")
-        shares = phase_floors(args, rates, mg["prompt_len"], mg["response_len"])
         print("\n| phase | megarl s (phases: median wall; step: mean CPU) | FLOP floor, CPU-s | ratio |\n|---|---|---|---|")
         for p, f in shares.items():
             m = mg["cpu_mean"] if p == "step" else mg["phases"][p]

@@ -27,10 +27,10 @@ MKL's `(W @ x.T).T` on the EPYC but 0.44x on the Xeon, where that MKL path is as
 rows. Since its 1-4-row path reads the weight's rows in turn (2026-11-29), on the EPYC it runs
 at 1-4 rows in 0.63-0.79x of its former time, 1.0-1.15x of a plain read of the weight, and at
 1 row in 0.9x of MKL's matrix-vector product on the [in, out] memory, which 1 row ran before
-(on the Xeon neither was measured). So the head's GEMM gives every row
-the same bits at 1-32 live rows. Where the kernel is missing and oneDNN is routed, the wide
-weight's GEMM at 2-4 rows runs MKL's `(W @ x.T).T` on the [out, in] tensor (0.5-0.85x of
-oneDNN's time on the EPYC; 1.3x on the Xeon, which does not route).
+(on the Xeon neither was measured). So the head's GEMM gives every row the same bits at 1-32
+live rows. Where the kernel is missing and oneDNN is routed, the wide weight's GEMM at 2-4 rows
+runs MKL's `(W @ x.T).T` on the [out, in] tensor (0.5-0.85x of oneDNN's time on the EPYC; 1.3x
+on the Xeon, which does not route).
 
 A half-precision GEMM on a CPU multiplies half inputs, accumulates in fp32 and rounds the result
 to half once. The product of two bf16 (or fp16) numbers is exact in fp32 (8 + 8 or 11 + 11
