@@ -1,5 +1,6 @@
 // megarl._cpu.wide_linear: x W^T for a few rows x [R, h] and a wide weight W [V, h] (an LM head
-// at V = 32k-152k) stored [out, in], on a CPU with AVX-512.
+// at V = 32k-152k) stored [out, in], on a CPU with AVX-512. models/cpu_gemm.py also runs it on the
+// layers' weights at decode rows on an AMD CPU, where a decode step's head read has evicted them.
 //
 // A decode step multiplies 1-24 rows by the whole head: 155 MB at 152k x 256 in fp32, read from
 // memory every step. MKL's and oneDNN's GEMMs at these shapes read it at 8-16 GB/s (3-24 rows:

@@ -341,11 +341,64 @@ def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel,
     ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n", False),
     ("processor\t: 0\nCPU implementer\t: 0x41\n", False),  # an Arm CPU: no vendor_id line
 ])
-def test_onednn_routes_only_on_an_amd_cpu(tmp_path, text, expected):
+def test_onednn_and_the_layers_kernel_route_only_on_an_amd_cpu(tmp_path, text, expected):
+    from megarl.models.cpu_gemm import layer_kernel_pays
+
     info = tmp_path / "cpuinfo"
     info.write_text(text)
     assert onednn_pays(str(info)) == (expected and onednn_available())
-    assert onednn_pays(str(tmp_path / "missing")) is False
+    assert layer_kernel_pays(str(info)) == expected
+    assert onednn_pays(str(tmp_path / "missing")) is False and layer_kernel_pays(str(tmp_path / "missing")) is False
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_layer_s_weight_at_decode_rows_runs_the_kernel_with_layer_kernel(onednn, with_bias, monkeypatch):
+    """layer_kernel: a (narrow) weight generation kept in [out, in] memory runs megarl._cpu's
+    kernel at 1-64 rows (LAYER_KERNEL_ROWS; the wide LM head's range stays 1-32), oneDNN or MKL
+    above and without it; a weight not kept, and every weight without layer_kernel, as before.
+    Every result equal to float64."""
+    from megarl.models import cpu_gemm, cpu_kernels
+
+    if onednn and not onednn_available():
+        pytest.skip("torch built without oneDNN")
+    real = _wide_kernel()
+    if real is None:
+        pytest.skip("megarl._cpu.wide_linear needs the built extension and an AVX-512 CPU")
+    kernel_calls = []
+    monkeypatch.setattr(cpu_kernels, "wide_linear", lambda: lambda x, w: kernel_calls.append(x.shape[0]) or real(x, w))
+    g = torch.Generator().manual_seed(12)
+    stored = torch.randn(72, 40, generator=g) / 6  # [out, in] memory; 72 outputs: a 4-row block tail-free
+    w = torch.nn.Parameter(stored.t().contiguous().t(), requires_grad=False)  # the decode layout
+    odd = torch.randn(70, 36, generator=g) / 6  # outputs and inputs off the kernel's 4 x 16 blocks
+    w_odd = torch.nn.Parameter(odd.t().contiguous().t(), requires_grad=False)
+    not_kept = torch.nn.Parameter(torch.randn(72, 40, generator=g), requires_grad=False)
+    bias = torch.randn(72, generator=g) if with_bias else None
+    kw = dict(gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False, tp_group=None,
+              grad_output_buffer=None)
+    calls = []
+    kept = {id(w): stored, id(w_odd): odd}
+    impl = cpu_gemm._cpu_forward_impl(_fake_megatron_impl(calls), kept, onednn, layer_kernel=True)
+
+    def ran(rows, weight, b=None, run=impl):
+        x = torch.randn(rows, 1, weight.shape[1], generator=g)
+        before = len(kernel_calls)
+        with torch.no_grad():
+            y = run(input=x, weight=weight, bias=b, **kw)
+        ref = x.double() @ weight.double().t() + (b.double() if b is not None else 0)
+        assert y.shape == (rows, 1, weight.shape[0]) and y.is_contiguous()
+        assert float((y.double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
+        return len(kernel_calls) > before
+
+    assert cpu_gemm.LAYER_KERNEL_ROWS == (1, 64)
+    assert [ran(r, w, bias) for r in (1, 2, 5, 32, 33, 64, 65)] == [True] * 6 + [False]
+    assert [ran(r, w_odd) for r in (1, 3, 64)] == [True] * 3
+    assert not ran(3, not_kept)
+    without = cpu_gemm._cpu_forward_impl(_fake_megatron_impl(calls), kept, onednn)  # layer_kernel off
+    assert not any(ran(r, w, bias, without) for r in (1, 2, 64))
+    # megatron's path: with oneDNN only 1 row without layer_kernel; without oneDNN also 65 rows, the
+    # weight not kept and 2 and 64 rows without layer_kernel
+    assert len(calls) == (1 if onednn else 5)
 
 
 @pytest.mark.skipif(_wide_kernel() is None, reason="megarl._cpu.wide_linear needs the built extension and AVX-512")

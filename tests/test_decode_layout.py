@@ -21,10 +21,16 @@ def _body(rank, world_size):
     from megarl.runtime.distributed import init_distributed, teardown
 
     init_distributed(1, 1, seed=3)
-    # megarl._cpu's head GEMM at 1-32 rows, where built: calls of 2+ rows, and of 1 row
-    kernel, kernel_calls = cpu_kernels.wide_linear(), [0, 0]
-    cpu_kernels.wide_linear = lambda: kernel and (
-        lambda x, w: kernel_calls.__setitem__(x.shape[0] == 1, kernel_calls[x.shape[0] == 1] + 1) or kernel(x, w))
+    # megarl._cpu's GEMM, where built: a wide weight's (the head's at 1-32 rows) calls of 2+ rows and
+    # of 1 row, and any other weight's (layer_kernel: 1-64 rows)
+    kernel, kernel_calls = cpu_kernels.wide_linear(), [0, 0, 0]
+
+    def counting_kernel(x, w):
+        i = 2 if w.shape[0] < cpu_gemm.OUT_MAJOR_MIN_OUT else int(x.shape[0] == 1)
+        kernel_calls[i] += 1
+        return kernel(x, w)
+
+    cpu_kernels.wide_linear = lambda: kernel and counting_kernel
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 6, 1)]
     out = {}
@@ -73,22 +79,27 @@ def _body(rank, world_size):
         for wide in (cpu_gemm.OUT_MAJOR_MIN_OUT, 150):
             cpu_gemm.OUT_MAJOR_MIN_OUT, default_wide = wide, cpu_gemm.OUT_MAJOR_MIN_OUT
             try:
-                with cpu_gemm.cpu_linears(role.chunks, onednn=False, out_major={-1: None}) as n_routed:
+                with cpu_gemm.cpu_linears(role.chunks, onednn=False, out_major={-1: None}, layer_kernel=False) as n_routed:
                     routed_no_onednn.append((n_routed, sorted(n.rsplit(".", 1)[-1] for n, m in gpt.named_modules()
                                                               if "_forward_impl" in vars(m))))
             finally:
                 cpu_gemm.OUT_MAJOR_MIN_OUT = default_wide
 
+        # with the layers' kernel (where built) every linear is wrapped, oneDNN or not
+        with cpu_gemm.cpu_linears(role.chunks, onednn=False, out_major={-1: None}, layer_kernel=True) as n_routed:
+            routed_layer_kernel = n_routed
         plain = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, in_major_weights=False, onednn_linears=False)
-        mkl = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=False)
-        fast = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=True)
+        mkl = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=False, layer_kernel=False)
+        fast = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=True, layer_kernel=False)
+        layers = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=True, layer_kernel=True)
         greedy = SamplingParams(greedy=True, max_new_tokens=10)
         sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=10)
         runs, onednn_calls, head_mkl_calls, head_kernel_calls, head_kernel_one_row = [], [], [], [], []
-        for e, wide in ((plain, None), (mkl, None), (fast, None), (fast, VOCAB), (mkl, VOCAB)):
+        layer_kernel_calls, onednn_rows = [], []
+        for e, wide in ((plain, None), (mkl, None), (fast, None), (fast, VOCAB), (mkl, VOCAB), (layers, None)):
             # wide: the head counts as wide (models/cpu_gemm.py), so 1-32 rows read its [out, in] tensor
             cpu_gemm.OUT_MAJOR_MIN_OUT, default_wide = wide or cpu_gemm.OUT_MAJOR_MIN_OUT, cpu_gemm.OUT_MAJOR_MIN_OUT
-            kernel_calls[:] = [0, 0]
+            kernel_calls[:] = [0, 0, 0]
             try:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
                     runs.append((e.generate(prompts, greedy, seed=0), e.generate(prompts, sampled, seed=4)))
@@ -99,15 +110,19 @@ def _body(rank, world_size):
                 cpu_gemm.OUT_MAJOR_MIN_OUT = default_wide
             head_kernel_calls.append(kernel_calls[0])
             head_kernel_one_row.append(one_row_calls)
+            layer_kernel_calls.append(kernel_calls[2])
             events = prof.key_averages(group_by_input_shape=True)
             onednn_calls.append(sum(ev.count for ev in events if ev.key == "mkldnn::_linear_pointwise"))
+            onednn_rows.append(sorted({ev.input_shapes[0][0] for ev in events
+                                       if ev.key == "mkldnn::_linear_pointwise" and ev.input_shapes}))
             head_mkl_calls.append(sum(ev.count for ev in events if ev.key == "aten::mm" and ev.input_shapes
                                       and len(ev.input_shapes[0]) == 2 and ev.input_shapes[0][0] >= VOCAB
                                       and ev.input_shapes[0][1] == mc.hidden_size))
         out[tied] = dict(linears=len(linears), routed=routed, routed_inside=routed_inside, routed_after=routed_after,
-                         routed_no_onednn=routed_no_onednn,
+                         routed_no_onednn=routed_no_onednn, routed_layer_kernel=routed_layer_kernel,
                          onednn_calls=onednn_calls, head_mkl_calls=head_mkl_calls,
                          head_kernel_calls=head_kernel_calls, head_kernel_one_row=head_kernel_one_row,
+                         layer_kernel_calls=layer_kernel_calls, onednn_rows=onednn_rows,
                          kernel=kernel is not None,
                          storages=len({w.untyped_storage().data_ptr() for w in weights}),
                          names=sorted(names[id(w)] for w in weights), switched=len(out_major), inside=inside,
@@ -143,7 +158,7 @@ def test_every_linear_switches_and_comes_back_untouched(result, tied):
 @pytest.mark.parametrize("tied", [False, True])
 def test_generation_is_the_same_model_in_either_layout_and_library(result, tied):
     r = result[tied]
-    assert all(g == r["greedy"][0] for g in r["greedy"]) and len(r["greedy"]) == 5
+    assert all(g == r["greedy"][0] for g in r["greedy"]) and len(r["greedy"]) == 6
     assert all(s == r["sampled"][0] for s in r["sampled"])  # keyed draws, fp32 rounding
     assert 0.0 <= r["logprob_diff"] < 1e-4, r["logprob_diff"]
 
@@ -160,7 +175,8 @@ def test_every_linear_is_routed_to_onednn_and_comes_back(result, tied):
         expected = [[], []]
     assert [names for _, names in r["routed_no_onednn"]] == expected
     assert all(n == len(names) for n, names in r["routed_no_onednn"])
-    plain, mkl, fast, wide, mkl_wide = r["onednn_calls"]
+    assert r["routed_layer_kernel"] == (r["linears"] if r["kernel"] else 0)
+    plain, mkl, fast, wide, mkl_wide, layers = r["onednn_calls"]
     assert plain == mkl == mkl_wide == 0
     # every linear of every forward with 2+ rows: at most the prefill and 9 decode steps of each of
     # the 4-row greedy and 12-row sampled batches (rows left alone at the end go MKL's path)
@@ -176,6 +192,16 @@ def test_every_linear_is_routed_to_onednn_and_comes_back(result, tied):
     assert wide == fast - mkl_calls[3] - kernel_calls[3], r["onednn_calls"]
     # without oneDNN (the default on an Intel CPU) the wide head still runs the kernel, and only it
     assert kernel_calls[4] == kernel_calls[3] and mkl_calls[4] == 0, (mkl_calls, kernel_calls)
+    # layer_kernel off: no other weight took the kernel
+    assert r["layer_kernel_calls"][:5] == [0] * 5, r["layer_kernel_calls"]
+    # layer_kernel (the default on an AMD CPU): every linear (the narrow head included) at 1-64 rows
+    # runs the kernel where built, and every forward here has at most 44 rows (the prefill: 4 prompts
+    # x 11 positions; oneDNN ran 4, 12 and 44 rows without it)
+    assert r["onednn_rows"][2] == [4, 12, 44], r["onednn_rows"]
+    if r["kernel"]:
+        assert r["layer_kernel_calls"][5] > 0 and layers == 0, (r["layer_kernel_calls"], r["onednn_rows"])
+    else:
+        assert r["layer_kernel_calls"][5] == 0 and layers == fast, r["onednn_calls"]
 
 
 def test_bf16_weights_stay_in_their_layout(result):

@@ -1,7 +1,7 @@
 """Decode steps outside megatron-core's module calls (models/decode_step.py): the same logits, bit
 for bit, as the model's own forward at every decode step, for each configuration `plan` accepts
 (GQA and MHA, q/k norms, QKV bias, tied embeddings, bf16 under megatron's Float16Module, the CPU's
-GEMM routings, TP 2); the same rollouts from the engine with the path on and off; and the model's
+GEMM routings: MKL, oneDNN, megarl._cpu's kernel for the layers too; TP 2); the same rollouts from the engine with the path on and off; and the model's
 own path (plan None) for what the path does not cover.
 """
 import pytest
@@ -18,6 +18,10 @@ CONFIGS = {  # name: (ModelConfig fields, precision)
 PARAMS = dict(n=3, temperature=0.8, top_k=0, top_p=1.0, max_new_tokens=20, stop_ids=(7, 11, 42, 63, 90))
 
 
+def dtype_of(name):
+    return CONFIGS[name][1]
+
+
 def _cfg(**fields):
     from megarl.config import ModelConfig
 
@@ -30,7 +34,7 @@ def _prompts():
     return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 6, 1)]
 
 
-def _decode_steps(role, onednn, steps=3):
+def _decode_steps(role, route, steps=3):
     """Prefill 5 rows through the model, then `steps` decode steps both ways on the same cache:
     -> (logits equal at every step, caches equal after every step, largest |logit|, plan found, dtype)."""
     from megatron.core.inference.contexts import StaticInferenceContext
@@ -51,7 +55,7 @@ def _decode_steps(role, onednn, steps=3):
     same_logits, same_cache, scale = [], [], 0.0
     with (torch.no_grad(), _inference_mode(role.chunks, unwrap(role.model)),
           decode_layout.in_major_weights(role.chunks) as out_major,
-          cpu_gemm.cpu_linears(role.chunks, onednn, out_major)):
+          cpu_gemm.cpu_linears(role.chunks, route[0], out_major, route[1])):
         plan = decode_step.plan(role.model)
         ctx = StaticInferenceContext(B, S)
         ctx.materialize_only_last_token_logits = True
@@ -76,11 +80,11 @@ def _decode_steps(role, onednn, steps=3):
     return same_logits, same_cache, scale, plan is not None, mine.dtype
 
 
-def _generate(role, fast, onednn=None):
+def _generate(role, fast, route=(None, None)):
     from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
 
-    eng = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=8, onednn_linears=onednn,
-                                decode_fast_path=fast)
+    eng = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=8, onednn_linears=route[0],
+                                layer_kernel=route[1], decode_fast_path=fast)
     return eng.generate(_prompts(), SamplingParams(**PARAMS), seed=5)
 
 
@@ -93,20 +97,28 @@ def _single_body(rank, world_size):
     from megatron.core.transformer.mlp import MLP
 
     from megarl.config import ParallelConfig
-    from megarl.models import cpu_gemm, decode_step
+    from megarl.models import cpu_gemm, cpu_kernels, decode_step
     from megarl.models.layout import unwrap
     from megarl.roles.role import Role
     from megarl.runtime.distributed import init_distributed, teardown
 
     init_distributed(1, 1, seed=3)
-    out = {"steps": {}, "rollouts": {}}
-    onednn_options = (False, True) if cpu_gemm.onednn_available() else (False,)
+    out = {"steps": {}, "rollouts": {}, "layer_kernel_calls": {}, "kernel": cpu_kernels.wide_linear() is not None}
+    kernel, layer_calls = cpu_kernels.wide_linear(), [0]  # megarl._cpu's GEMM on a layer's (not the head's) weight
+    cpu_kernels.wide_linear = lambda: kernel and (lambda x, w: layer_calls.__setitem__(
+        0, layer_calls[0] + (w.shape[0] < cpu_gemm.OUT_MAJOR_MIN_OUT)) or kernel(x, w))
+    # (oneDNN, the layers' linears through megarl._cpu's kernel): MKL; oneDNN; the kernel at 1-32
+    # rows (where built), oneDNN above
+    routes = ((False, False), (True, False), (True, True)) if cpu_gemm.onednn_available() else (
+        (False, False), (False, True))
     for name, (fields, precision) in CONFIGS.items():
         role = Role("actor", _cfg(**fields), ParallelConfig(), head="lm", seed=5, precision=precision)
-        for onednn in onednn_options:
-            out["steps"][name, onednn] = _decode_steps(role, onednn)
-            fast, slow = _generate(role, True, onednn), _generate(role, False, onednn)
-            out["rollouts"][name, onednn] = (_same_rollout(fast, slow), fast.stats["decode_fast_path"],
+        for route in routes:
+            layer_calls[0] = 0
+            out["steps"][name, route] = _decode_steps(role, route)
+            out["layer_kernel_calls"][name, route] = layer_calls[0]
+            fast, slow = _generate(role, True, route), _generate(role, False, route)
+            out["rollouts"][name, route] = (_same_rollout(fast, slow), fast.stats["decode_fast_path"],
                                              slow.stats["decode_fast_path"], fast.stopped.any().item())
 
     role = Role("actor", _cfg(num_kv_heads=2), ParallelConfig(), head="lm", seed=5)
@@ -129,24 +141,27 @@ def single():
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_decode_steps_give_the_model_s_logits_bit_for_bit(single, name):
-    for (config, onednn), (same_logits, same_cache, scale, planned, dtype) in single["steps"].items():
+    for (config, route), (same_logits, same_cache, scale, planned, dtype) in single["steps"].items():
         if config != name:
             continue
         assert planned, f"{name}: plan() declined a configuration it serves"
         assert scale > 1.0, "the logits must not be near zero (a vacuous comparison)"
         assert dtype == torch.float32, f"{name}: logits must come back in fp32 as from the model, got {dtype}"
-        assert all(same_logits), f"{name} (oneDNN {onednn}): decode-step logits differ from the model's: {same_logits}"
-        assert all(same_cache), f"{name} (oneDNN {onednn}): the KV cache differs from the model's: {same_cache}"
+        assert all(same_logits), f"{name} (oneDNN, layer kernel: {route}): decode-step logits differ from the model's"
+        assert all(same_cache), f"{name} (oneDNN, layer kernel: {route}): the KV cache differs from the model's"
+        # the layers' linears ran megarl._cpu's kernel exactly when asked and built (fp32 weights only)
+        ran = single["layer_kernel_calls"][config, route]
+        assert (ran > 0) == (route[1] and single["kernel"] and dtype_of(name) == "fp32"), (name, route, ran)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_rollouts_are_the_same_with_and_without_the_path(single, name):
-    for (config, onednn), (same, fast_used, slow_used, stopped) in single["rollouts"].items():
+    for (config, route), (same, fast_used, slow_used, stopped) in single["rollouts"].items():
         if config != name:
             continue
         assert fast_used and not slow_used, f"{name}: decode_fast_path stat {fast_used}, {slow_used}"
         assert stopped, "some row must stop on a stop id"
-        assert same, f"{name} (oneDNN {onednn}): the rollout changed with the decode path"
+        assert same, f"{name} (oneDNN, layer kernel: {route}): the rollout changed with the decode path"
 
 
 def test_the_model_s_own_path_for_what_the_path_does_not_cover(single):
@@ -164,7 +179,7 @@ def _tp_body(rank, world_size):
     init_distributed(2, 1, seed=3)
     role = Role("actor", _cfg(num_kv_heads=2, qkv_bias=True), ParallelConfig(tp=2), head="lm", seed=5)
     fast, slow = _generate(role, True), _generate(role, False)
-    steps = _decode_steps(role, False)
+    steps = _decode_steps(role, (False, True))  # MKL; each rank's shards of the layers through the kernel
     teardown()
     return _same_rollout(fast, slow), fast.stats["decode_fast_path"], steps
 

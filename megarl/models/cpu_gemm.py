@@ -32,6 +32,15 @@ live rows. Where the kernel is missing and oneDNN is routed, the wide weight's G
 runs MKL's `(W @ x.T).T` on the [out, in] tensor (0.5-0.85x of oneDNN's time on the EPYC; 1.3x
 on the Xeon, which does not route).
 
+The layers' linears at a decode step's rows run the same kernel on their [out, in] tensors where
+`layer_kernel_pays()` (an AMD CPU): at 1-64 rows (LAYER_KERNEL_ROWS), above that oneDNN. A decode
+step reads the LM head's weight between two layers' GEMMs, so each layer's weights come back from
+memory, not from cache; the kernel streams them with its prefetch. On the EPYC, with the head read
+in between as in generation, the four linears of a hidden-256 layer took 0.31-0.61x of oneDNN's
+time at 1-32 rows, of a hidden-512 layer 0.43-0.88x at 1-64 rows; the realistic workload's generate
+phase 0.83-0.94x, the default shape's 0.93-0.96x (docs/benchmarks.md). Not measured on an Intel
+CPU, where the layers keep MKL.
+
 A half-precision GEMM on a CPU multiplies half inputs, accumulates in fp32 and rounds the result
 to half once. The product of two bf16 (or fp16) numbers is exact in fp32 (8 + 8 or 11 + 11
 significand bits < 24), so upcasting both operands, running the fp32 GEMM and rounding its result
@@ -173,6 +182,7 @@ ONEDNN_MIN_ROWS = 2  # below this MKL's matrix-vector product is faster than one
 OUT_MAJOR_MAX_ROWS = 4  # without the kernel, up to this many rows a wide weight's GEMM reads its [out, in] memory
 OUT_MAJOR_MIN_OUT = 16384  # "wide": an LM head (a vocabulary shard), not a layer's linear
 WIDE_KERNEL_ROWS = (1, 32)  # megarl._cpu.wide_linear's rows on the wide weights (module docstring)
+LAYER_KERNEL_ROWS = (1, 64)  # and on the other weights of out_major, with layer_kernel (layer_kernel_pays)
 
 
 def onednn_available() -> bool:
@@ -180,6 +190,19 @@ def onednn_available() -> bool:
 
 
 @functools.cache
+def _cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The `vendor_id` of /proc/cpuinfo (AuthenticAMD, GenuineIntel), or None (another
+    architecture, an unreadable file)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def onednn_pays(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether no-grad fp32 linears should leave MKL for oneDNN on this machine: on an AMD CPU.
 
@@ -189,14 +212,18 @@ def onednn_pays(cpuinfo: str = "/proc/cpuinfo") -> bool:
     rows (oneDNN's per-call cost dominates at few rows) and 0.9-1.0x at 1,280 rows. MKL is Intel's
     library, so elsewhere (Intel, other architectures, an unreadable `cpuinfo`) torch's own path
     stays."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip() == "AuthenticAMD" and onednn_available()
-    except OSError:
-        pass
-    return False
+    return _cpu_vendor(cpuinfo) == "AuthenticAMD" and onednn_available()
+
+
+def layer_kernel_pays(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether, while generating, the layers' linears (not only the wide LM head) run
+    megarl._cpu's kernel at LAYER_KERNEL_ROWS rows on their [out, in] tensors: on an AMD CPU.
+
+    On an AMD EPYC (Zen 4), 1 thread, with the LM head's weight read between calls as a decode
+    step reads it: 0.31-0.61x of oneDNN's time at 1-32 rows for a hidden-256 layer's four linears,
+    0.43-0.88x at 1-64 rows at hidden 512 (docs/benchmarks.md). Not measured on an Intel CPU, where the layers
+    keep MKL on their [in, out] memory."""
+    return _cpu_vendor(cpuinfo) == "AuthenticAMD"
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -206,14 +233,15 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out + bias if bias is not None else out
 
 
-def _cpu_forward_impl(megatron_impl, out_major=None, onednn: bool = True):
+def _cpu_forward_impl(megatron_impl, out_major=None, onednn: bool = True, layer_kernel: bool = False):
     """A linear's `_forward_impl` (megatron-core calls it with keywords: input, weight, bias,
     sequence_parallel, and the backward's settings) that runs a wide weight's GEMM at 1-32 rows
     through megarl._cpu's kernel (out_major: {id(weight): the same values in [out, in] memory}),
-    with `onednn` every other local GEMM of 2+ rows through oneDNN (a wide weight's at 2-4 rows
-    through MKL on its [out, in] memory where the kernel is missing), and megatron's own
-    implementation everywhere else (module docstring). `plain=True` (models/decode_step.py, no
-    autograd, no sequence parallelism) runs megatron's maths there without its autograd Function."""
+    with `layer_kernel` every other weight's in out_major at 1-64 rows too, with `onednn` every
+    other local GEMM of 2+ rows through oneDNN (a wide weight's at 2-4 rows through MKL on its
+    [out, in] memory where the kernel is missing), and megatron's own implementation everywhere
+    else (module docstring). `plain=True` (models/decode_step.py, no autograd, no sequence
+    parallelism) runs megatron's maths there without its autograd Function."""
     kernel = cpu_kernels.wide_linear() if out_major else None  # megarl._cpu.wide_linear, or None
 
     def megatron(input, weight, bias, sequence_parallel, plain, kwargs):
@@ -226,16 +254,18 @@ def _cpu_forward_impl(megatron_impl, out_major=None, onednn: bool = True):
         if (sequence_parallel or torch.is_grad_enabled() or rows < 1
                 or input.device.type != "cpu" or input.dtype != torch.float32 or weight.dtype != torch.float32):
             return megatron(input, weight, bias, sequence_parallel, plain, kwargs)
-        wide = out_major.get(id(weight)) if out_major and weight.shape[0] >= OUT_MAJOR_MIN_OUT else None
-        use_kernel = (wide is not None and kernel is not None and WIDE_KERNEL_ROWS[0] <= rows <= WIDE_KERNEL_ROWS[1]
-                      and wide.is_contiguous())
+        stored = out_major.get(id(weight)) if out_major else None  # [out, in] memory, or None
+        wide = stored is not None and weight.shape[0] >= OUT_MAJOR_MIN_OUT
+        lo, hi = WIDE_KERNEL_ROWS if wide else LAYER_KERNEL_ROWS
+        use_kernel = (kernel is not None and (wide or (layer_kernel and stored is not None)) and lo <= rows <= hi
+                      and stored.is_contiguous())
         if not use_kernel and (rows < ONEDNN_MIN_ROWS or not onednn):
             return megatron(input, weight, bias, sequence_parallel, plain, kwargs)
         x = input.reshape(rows, input.shape[-1]).contiguous()  # [rows, in]
         if use_kernel:
-            out = kernel(x, wide)  # [rows, out]: megarl's kernel streams the [out, in] memory once
-        elif wide is not None and rows <= OUT_MAJOR_MAX_ROWS:  # MKL streams the [out, in] memory once
-            out = torch.mm(wide, x.t()).t().contiguous()  # [rows, out]
+            out = kernel(x, stored)  # [rows, out]: megarl's kernel streams the [out, in] memory once
+        elif wide and rows <= OUT_MAJOR_MAX_ROWS:  # MKL streams the [out, in] memory once
+            out = torch.mm(stored, x.t()).t().contiguous()  # [rows, out]
         else:
             out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # [rows, out]
             bias = None  # added by oneDNN
@@ -247,19 +277,22 @@ def _cpu_forward_impl(megatron_impl, out_major=None, onednn: bool = True):
 
 
 @contextlib.contextmanager
-def cpu_linears(chunks, onednn: bool | None = None, out_major=None):
+def cpu_linears(chunks, onednn: bool | None = None, out_major=None, layer_kernel: bool | None = None):
     """Inside the block, when the chunks are on a CPU, every megatron-core linear with an fp32
     weight runs its no-grad GEMMs as `_cpu_forward_impl` says: `onednn` (default: where
     `onednn_pays()`) routes them through oneDNN from ONEDNN_MIN_ROWS rows, and `out_major`'s
     wide weights (the LM head, from models/decode_layout.py) run megarl._cpu's kernel at
-    WIDE_KERNEL_ROWS rows (module docstring). On exit (exception included) each gets
-    megatron's implementation back. Yields the number of linears routed (0: nothing to change;
-    without oneDNN only the wide or tied weights are routed)."""
+    WIDE_KERNEL_ROWS rows, with `layer_kernel` (default: where `layer_kernel_pays()`) its other
+    weights too (module docstring). On exit (exception included) each gets megatron's
+    implementation back. Yields the number of linears routed (0: nothing to change; without
+    oneDNN and the layers' kernel only the wide or tied weights are routed)."""
     routed = []
     try:
         on_cpu = all(p.device.type == "cpu" for c in chunks for p in c.parameters())
         onednn = onednn_pays() if onednn is None else onednn and onednn_available()
-        if on_cpu and (onednn or (out_major and cpu_kernels.wide_linear() is not None)):
+        has_kernel = bool(out_major) and cpu_kernels.wide_linear() is not None
+        layer_kernel = has_kernel and (layer_kernel_pays() if layer_kernel is None else bool(layer_kernel))
+        if on_cpu and (onednn or has_kernel):
             from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
             linears = (ColumnParallelLinear, RowParallelLinear)
@@ -267,14 +300,14 @@ def cpu_linears(chunks, onednn: bool | None = None, out_major=None):
                 for module in chunk.modules():
                     w = getattr(module, "weight", None)
                     # weight None: a tied LM head, handed the embedding's weight per call. Without
-                    # oneDNN only a wide (or tied) weight can take the kernel: the layers' linears
-                    # keep megatron's path without a wrapper call in between.
+                    # oneDNN and the layers' kernel only a wide (or tied) weight can take the
+                    # kernel: the layers keep megatron's path without a wrapper call in between.
                     if (isinstance(module, linears) and "_forward_impl" not in vars(module)
                             and (w is None or (w.dtype == torch.float32
-                                               and (onednn or w.shape[0] >= OUT_MAJOR_MIN_OUT)))):
-                        module._forward_impl = _cpu_forward_impl(module._forward_impl, out_major, onednn)
+                                               and (onednn or layer_kernel or w.shape[0] >= OUT_MAJOR_MIN_OUT)))):
+                        module._forward_impl = _cpu_forward_impl(module._forward_impl, out_major, onednn, layer_kernel)
                         routed.append(module)
-            if out_major and cpu_kernels.wide_linear() is not None:
+            if has_kernel:
                 for t in out_major.values():  # the kernel streams the wide ones whole every decode step
                     if isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[0] >= OUT_MAJOR_MIN_OUT:
                         huge_pages.collapse(t)  # at once only the first time (runtime/huge_pages.py)

@@ -102,8 +102,8 @@ class MegatronRolloutEngine(RolloutEngine):
     def __init__(self, role, *, vocab_size: int, pad_id: int, decode: Callable[[list[int]], str] | None = None,
                  max_batch_size: int = 64, max_seq_len: int | None = None, pp_microbatches: int | None = None,
                  compact: bool = True, tools: Toolbox | None = None, encode: Callable[[str], list[int]] | None = None,
-                 in_major_weights: bool = True, onednn_linears: bool | None = None, cpu_half_gemm: str | None = None,
-                 decode_fast_path: bool = True):
+                 in_major_weights: bool = True, onednn_linears: bool | None = None, layer_kernel: bool | None = None,
+                 cpu_half_gemm: str | None = None, decode_fast_path: bool = True):
         """role: a megarl Role (or its model, possibly DDP / Float16Module wrapped) with an LM head.
         vocab_size: the true vocabulary (padded columns are never sampled).
         max_batch_size: rows per KV cache (micro-batch); the cache is freed after each.
@@ -123,6 +123,9 @@ class MegatronRolloutEngine(RolloutEngine):
             Either way the LM head's GEMM at 1-32 rows runs megarl._cpu's kernel on its stored
             [out, in] tensor when in_major_weights kept it and the kernel runs here
             (models/cpu_gemm.py). No effect on GPU or for bf16 weights.
+        layer_kernel: on CPU, the layers' fp32 linears at 1-64 rows (decode steps) run that kernel
+            on their [out, in] tensors too, when in_major_weights kept them; default: on an AMD CPU
+            (`cpu_gemm.layer_kernel_pays()`: 0.3-0.9x of oneDNN's time there, not measured on Intel).
         cpu_half_gemm: how bf16/fp16 GEMMs run on CPU (train.cpu_half_gemm, models/cpu_gemm.py);
             default: the role's setting, else "native" (torch's half kernels).
         decode_fast_path: decode steps at PP 1 run models/decode_step.py (the same operations on the
@@ -148,6 +151,7 @@ class MegatronRolloutEngine(RolloutEngine):
         self.in_major_weights = bool(in_major_weights)
         self.decode_fast_path = bool(decode_fast_path)
         self.onednn_linears = cpu_gemm.onednn_pays() if onednn_linears is None else bool(onednn_linears)
+        self.layer_kernel = cpu_gemm.layer_kernel_pays() if layer_kernel is None else bool(layer_kernel)
         # decode steps read a shared prompt's cached keys and values from the first row of its
         # group (the same values; models/decode_attention.py); False reads every row's own copy
         self.shared_prompt_reads = True
@@ -185,7 +189,7 @@ class MegatronRolloutEngine(RolloutEngine):
             stats["tool_s"] = 0.0
         with (_inference_mode(self.chunks, self.gpt),
               decode_layout.in_major_weights(self.chunks, self.in_major_weights) as out_major,
-              cpu_gemm.cpu_linears(self.chunks, self.onednn_linears, out_major),
+              cpu_gemm.cpu_linears(self.chunks, self.onednn_linears, out_major, self.layer_kernel),
               cpu_gemm.half_gemms_in_fp32(self.chunks, self.half_gemms_fp32)):
             # in the state the steps run in (eval, sequence parallelism off); None: the model's own path
             pp1 = self.config.pipeline_model_parallel_size == 1
