@@ -222,12 +222,51 @@ def test_one_chunk_keeps_its_logits_for_the_backward(monkeypatch):
     torch.testing.assert_close(grads[T][2], grads[T - 1][2], rtol=1e-5, atol=1e-6)
     kept = []
     real_apply = fused_head._FusedLinearLogProbs.apply
-    # the Function's last two inputs are keep_one and with_entropy
-    monkeypatch.setattr(fused_head._FusedLinearLogProbs, "apply", lambda *a: kept.append(a[-2]) or real_apply(*a))
+    # the Function's last three inputs are keep_one, with_entropy and chunk_buffer
+    monkeypatch.setattr(fused_head._FusedLinearLogProbs, "apply", lambda *a: kept.append(a[-3]) or real_apply(*a))
     with torch.no_grad():  # scoring: no backward will come
         linear_logprobs_and_entropy(x.clone().requires_grad_(), w.clone().requires_grad_(), t)
     linear_logprobs_and_entropy(x, w, t)  # nothing requires grad
     assert kept == [False, False]
+
+
+def test_a_chunk_buffer_serves_calls_in_turn_but_never_one_with_a_backward_to_come():
+    """A ChunkBuffer's memory is taken by each call in turn (scoring, the token loss): the same
+    results as fresh memory, one allocation while the calls fit. A forward with a backward to come
+    keeps its own logits: another call writing the buffer in between leaves its gradients right."""
+    T, h, n, chunk = 30, 16, 400, 8
+    x, w, t = make(T, h, n, seed=12, vocab_size=390)
+    buf = fused_head.ChunkBuffer()
+    with torch.no_grad():  # scoring
+        lp, ent = linear_logprobs_and_entropy(x, w, t, vocab_size=390, chunk_size=chunk, chunk_buffer=buf)
+        memory = buf._memory
+        assert memory is not None and memory.numel() == chunk * n
+        lp2, _ = linear_logprobs_and_entropy(x[:20], w, t[:20], vocab_size=390, chunk_size=chunk, chunk_buffer=buf)
+        assert buf._memory is memory  # taken again, not reallocated
+        ref_lp, ref_ent = linear_logprobs_and_entropy(x, w, t, vocab_size=390, chunk_size=chunk)
+    assert torch.equal(lp, ref_lp) and torch.equal(ent, ref_ent)
+    torch.testing.assert_close(lp2, ref_lp[:20], **VAL_TOL)
+
+    def nll(pos, lp_, ent_):
+        return -lp_.sum()
+
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lp, ent = linear_logprobs_and_entropy(xx, ww, t, vocab_size=390, chunk_buffer=buf)  # one chunk, kept
+    xo, wo = (2 * x).requires_grad_(), w.clone().requires_grad_()
+    loss, _, _ = linear_token_loss(xo, wo, t, nll, vocab_size=390, chunk_buffer=buf)  # writes the buffer
+    assert buf._memory.numel() >= int((t != -100).sum()) * n
+    backprop_mix(lp, ent)
+    x64, w64, lp64, ent64 = reference(x, w, t, 390)
+    backprop_mix(lp64, ent64)
+    torch.testing.assert_close(xx.grad.double(), x64.grad, **GRAD_TOL)
+    torch.testing.assert_close(ww.grad.double(), w64.grad, **GRAD_TOL)
+    loss.backward()
+    xf, wf = (2 * x).requires_grad_(), w.clone().requires_grad_()
+    fresh, _, _ = linear_token_loss(xf, wf, t, nll, vocab_size=390)
+    fresh.backward()
+    assert torch.equal(loss, fresh) and torch.equal(xo.grad, xf.grad) and torch.equal(wo.grad, wf.grad)
+    buf.release()
+    assert buf._memory is None
 
 
 def test_input_validation():

@@ -12,6 +12,8 @@ peak extra memory is about two chunks' logits whatever the token count (when eve
 one chunk, the forward keeps that chunk for the backward instead of recomputing it).
 Same maths (and same dtypes: the GEMM runs in the inputs' dtype, the statistics in fp32) as
 output layer -> `mask_padded_vocab` -> `logprobs_and_entropy`.
+On a CPU every chunk of a call is written into one buffer (fresh memory costs page faults), and a
+`ChunkBuffer` passed by the caller keeps that buffer from one call to the next.
 `linear_token_loss` takes the loss into the op instead, when each token's term reads its own
 log-prob and entropy only (RL's policy losses, NLL): each chunk's logits become their gradient in
 the forward, so nothing is recomputed (three GEMMs, not four).
@@ -37,7 +39,7 @@ _PAD_LOGIT = -1e30
 
 def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab_size=None, temperature=1.0,
                                 with_entropy=True, ignore_index=IGNORE_INDEX, chunk_size=None,
-                                reduce_hidden_grad=True):
+                                reduce_hidden_grad=True, chunk_buffer=None):
     """log p(target) and the entropy of softmax(hidden @ weight.T / temperature), per token.
 
     hidden: [..., h] (e.g. [b, s, h] or [T, h]; strided views such as a [b, s, h] transpose of
@@ -52,17 +54,20 @@ def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab
         ColumnParallelLinear does through `copy_to_tensor_model_parallel_region`. Pass False when
         the caller's hidden states come through a region function whose backward already sums
         over TP (sequence parallelism: `gather_from_sequence_parallel_region`'s reduce-scatter).
+    chunk_buffer: a ChunkBuffer whose memory a call without a backward to come (scoring) writes
+        its logits into, kept for the next call (CPU only; see ChunkBuffer).
     Returns (logprob [...], entropy [...] or None), fp32, differentiable w.r.t. hidden and weight.
     """
     x, t, restore = _checked_rows(hidden, weight, targets, temperature, chunk_size)
     tp_size, tp_rank, n, padded, first_pad, step = _vocab_layout(weight, tp_group, vocab_size, chunk_size)
     N = t.numel()
     kept, (t, x) = _kept_rows(t, ignore_index, t, x)
+    backward_may_come = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     lp, ent = _FusedLinearLogProbs.apply(
         x, weight, t, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
-        1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad),
-        torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad),  # a backward may come
-        bool(with_entropy))  # False: the entropy (NaN) is neither returned nor differentiated
+        1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad), backward_may_come,
+        bool(with_entropy),  # False: the entropy (NaN) is neither returned nor differentiated
+        None if backward_may_come else chunk_buffer)  # a forward may keep its logits for the backward
     return restore(_all_rows(kept, lp, N)), (restore(_all_rows(kept, ent, N)) if with_entropy else None)
 
 
@@ -116,7 +121,7 @@ def _vocab_layout(weight, tp_group, vocab_size, chunk_size):
 
 
 def head_logprobs(head, labels, *, temperature=1.0, with_entropy=False, ignore_index=IGNORE_INDEX,
-                  chunk_size=None):
+                  chunk_size=None, chunk_buffer=None):
     """`linear_logprobs_and_entropy` on what a model returns with `return_hidden=True`
     (`megarl.models.gpt.HeadStates`: hidden [b, s - c, h], the output weight, the TP group, the
     real vocabulary, whether grad(hidden) is already summed over TP). labels: [b, s - c].
@@ -124,11 +129,12 @@ def head_logprobs(head, labels, *, temperature=1.0, with_entropy=False, ignore_i
     return linear_logprobs_and_entropy(
         head.hidden, head.weight, labels, tp_group=head.tp_group, vocab_size=head.vocab_size,
         temperature=temperature, with_entropy=with_entropy, ignore_index=ignore_index, chunk_size=chunk_size,
-        reduce_hidden_grad=not head.hidden_grad_reduced)
+        reduce_hidden_grad=not head.hidden_grad_reduced, chunk_buffer=chunk_buffer)
 
 
 def linear_token_loss(hidden, weight, targets, token_loss, *, tp_group=None, vocab_size=None, temperature=1.0,
-                      with_entropy=False, ignore_index=IGNORE_INDEX, chunk_size=None, reduce_hidden_grad=True):
+                      with_entropy=False, ignore_index=IGNORE_INDEX, chunk_size=None, reduce_hidden_grad=True,
+                      chunk_buffer=None):
     """A loss sum_t l_t(logp_t, entropy_t) through the output layer, its gradient taken inside
     the forward (Liger's fused linear cross-entropy, for any per-token loss).
 
@@ -145,6 +151,7 @@ def linear_token_loss(hidden, weight, targets, token_loss, *, tp_group=None, voc
     backward, which scales them by the loss's incoming gradient: three GEMMs at any token count,
     one chunk of logits at a time. The cost: grad(W) is held from the forward to the backward.
     On a GPU with more tokens than one chunk the op takes the recomputing path (see below).
+    chunk_buffer: a ChunkBuffer for the logits (CPU; nothing of it is held after the call).
     Arguments otherwise as `linear_logprobs_and_entropy`. Returns (loss 0-d fp32, differentiable
     w.r.t. hidden and weight; logprob [...] and entropy [...] or None, detached).
     """
@@ -162,33 +169,61 @@ def linear_token_loss(hidden, weight, targets, token_loss, *, tp_group=None, voc
         lp, ent = _FusedLinearLogProbs.apply(
             x, weight, t, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
             1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad), True,
-            bool(with_entropy))
+            bool(with_entropy), None)
         loss = token_loss(pos, lp, ent if with_entropy else None)
         lp, ent = lp.detach(), ent.detach()
     else:
         loss, lp, ent = _FusedLinearLoss.apply(
             x, weight, t, pos, token_loss, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
             1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad), needs_grad,
-            bool(with_entropy))
+            bool(with_entropy), chunk_buffer)
     return loss, restore(_all_rows(kept, lp, N)), (restore(_all_rows(kept, ent, N)) if with_entropy else None)
 
 
 def head_token_loss(head, labels, token_loss, *, temperature=1.0, with_entropy=False, ignore_index=IGNORE_INDEX,
-                    chunk_size=None):
+                    chunk_size=None, chunk_buffer=None):
     """`linear_token_loss` on what a model returns with `return_hidden=True` (see head_logprobs)."""
     return linear_token_loss(
         head.hidden, head.weight, labels, token_loss, tp_group=head.tp_group, vocab_size=head.vocab_size,
         temperature=temperature, with_entropy=with_entropy, ignore_index=ignore_index, chunk_size=chunk_size,
-        reduce_hidden_grad=not head.hidden_grad_reduced)
+        reduce_hidden_grad=not head.hidden_grad_reduced, chunk_buffer=chunk_buffer)
 
 
-def _workspace(x, elems: int):
-    """One flat buffer for all the logit chunks of a call on a CPU, or None (fresh chunks). A fresh
-    CPU tensor of chunk size (tens to hundreds of MB) is mapped anew and first-touched page by
-    page: at V = 152k that took ~20% of the chunk GEMM's time (docs/benchmarks.md). A forward
-    with a backward to come hands its buffer on to it (one chunk's logits, held until then). On a
-    GPU the caching allocator already hands the same memory back."""
-    return torch.empty(elems, dtype=x.dtype) if x.device.type == "cpu" and elems > 0 else None
+class ChunkBuffer:
+    """The CPU memory of the fused head's logit chunks, kept from one call to the next.
+
+    Each call on a CPU writes all its chunks into one flat buffer (see _workspace); a fresh one is
+    mapped and first-touched page by page, which at V = 152k made a call's first chunk GEMM take
+    ~1.25x as long (docs/benchmarks.md). A caller making many calls in turn (the RL stage's
+    scoring and training micro-batches) holds one ChunkBuffer and passes it to each: the memory
+    (one chunk's logits, at most 256 MiB in fp32) is allocated once and stays until release().
+    Only calls that hold nothing of it when they return use it (scoring without a backward, and
+    `linear_token_loss`), so one call never overwrites another's logits. Not for concurrent use."""
+
+    def __init__(self):
+        self._memory = None
+
+    def take(self, elems: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat CPU tensor of at least `elems` elements of `dtype` (its values are garbage)."""
+        if self._memory is None or self._memory.dtype != dtype or self._memory.numel() < elems:
+            self._memory = None  # the old one goes first: one buffer at a time
+            self._memory = torch.empty(elems, dtype=dtype)
+        return self._memory
+
+    def release(self) -> None:
+        self._memory = None
+
+
+def _workspace(x, elems: int, chunk_buffer: ChunkBuffer | None = None):
+    """One flat buffer for all the logit chunks of a call on a CPU (from `chunk_buffer` when
+    given), or None (fresh chunks). A fresh CPU tensor of chunk size (tens to hundreds of MB) is
+    mapped anew and first-touched page by page: at V = 152k that took ~20% of the chunk GEMM's time
+    (docs/benchmarks.md). A forward with a backward to come hands its buffer on to it (one chunk's
+    logits, held until then; never a ChunkBuffer's). On a GPU the caching allocator already hands
+    the same memory back."""
+    if x.device.type != "cpu" or elems <= 0:
+        return None
+    return chunk_buffer.take(elems, x.dtype) if chunk_buffer is not None else torch.empty(elems, dtype=x.dtype)
 
 
 def _chunk_logits(xc, weight, first_pad, workspace=None):
@@ -251,7 +286,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, t, group, vocab_start, padded, first_pad, inv_temp, ignore_index, step, reduce_grad,
-                keep_one, with_entropy):
+                keep_one, with_entropy, chunk_buffer):
         N = x.shape[0]
         m, s, mom, zt = torch.empty(4, N, dtype=torch.float32, device=x.device).unbind(0)
         # All tokens in one chunk and a backward to come: keep that chunk's logits for it instead
@@ -259,7 +294,8 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         keep = keep_one and N <= step
         z = None
         xg, wg = _gemm_operands(x, w)
-        workspace = _workspace(xg, min(N, step) * w.shape[0])
+        assert chunk_buffer is None or not keep_one, "a forward with a backward to come keeps its own logits"
+        workspace = _workspace(xg, min(N, step) * w.shape[0], chunk_buffer)
         for r0 in range(0, N, step):
             r1 = min(N, r0 + step)
             z = _chunk_logits(xg[r0:r1], wg, first_pad, workspace)             # [c, n]
@@ -285,7 +321,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         group, vocab_start, first_pad, inv_temp, ignore_index, step, reduce_grad = ctx.consts
         need_x, need_w = ctx.needs_input_grad[:2]
         if not (need_x or need_w) or (g_lp is None and g_ent is None):
-            return (None,) * 13
+            return (None,) * 14
         g_lp = None if g_lp is None else g_lp.float().contiguous()
         g_ent = None if g_ent is None else g_ent.float().contiguous()
         N, n = x.shape[0], w.shape[0]
@@ -341,7 +377,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                 import torch.distributed as dist
 
                 dist.all_reduce(gx, group=group)  # each rank's vocab shard adds its part of dL/dx
-        return gx, gw, None, None, None, None, None, None, None, None, None, None, None
+        return gx, gw, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 class _FusedLinearLoss(torch.autograd.Function):
@@ -350,7 +386,7 @@ class _FusedLinearLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, t, pos, token_loss, group, vocab_start, padded, first_pad, inv_temp, ignore_index, step,
-                reduce_grad, needs_grad, with_entropy):
+                reduce_grad, needs_grad, with_entropy, chunk_buffer):
         N = x.shape[0]
         need_x = needs_grad and x.requires_grad
         need_w = needs_grad and w.requires_grad
@@ -358,7 +394,7 @@ class _FusedLinearLoss(torch.autograd.Function):
         ent_all = torch.empty(N, dtype=torch.float32, device=x.device)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         xg, wg = _gemm_operands(x, w)  # fp32 copies where half GEMMs run in fp32 on this CPU
-        workspace = _workspace(xg, min(N, step) * w.shape[0])
+        workspace = _workspace(xg, min(N, step) * w.shape[0], chunk_buffer)  # free again when this returns
         # gradients in the GEMMs' dtype; grad(w) [n, h] sums over chunks, in fp32 for half weights
         # when there is more than one chunk
         gx = torch.empty(N, x.shape[1], dtype=xg.dtype, device=x.device) if need_x else None          # [N, h]
@@ -424,4 +460,4 @@ class _FusedLinearLoss(torch.autograd.Function):
                 dist.all_reduce(gx, group=group)  # each rank's vocab shard adds its part of dL/dx
         if need_w:  # None: no token's loss read the output layer
             gw = None if gw is None or scale is None else gw.mul_(scale).to(w_dtype)
-        return (gx if need_x else None, gw if need_w else None) + (None,) * 13
+        return (gx if need_x else None, gw if need_w else None) + (None,) * 14

@@ -29,7 +29,7 @@ from megarl import algorithms as A
 from megarl.config import Config, ConfigError
 from megarl.config.schema import role_config
 from megarl.models.gpt import HeadStates, mask_padded_vocab
-from megarl.ops import IGNORE_INDEX, head_token_loss
+from megarl.ops import IGNORE_INDEX, ChunkBuffer, head_token_loss
 from megarl.roles.phases import PhaseClock, PhaseScheduler
 from megarl.roles.role import Role
 from megarl.rollout.engine import SamplingParams
@@ -173,9 +173,10 @@ def experience_from_rollout(rollout, pad_id: int) -> Experience:
 # Per-token quantities from a role's output (run on the last pipeline stage)
 
 
-def _token_logprobs(vocab_size: int, temperature: float, with_entropy: bool = False):
+def _token_logprobs(vocab_size: int, temperature: float, with_entropy: bool = False, chunk_buffer=None):
     """(log p(labels), entropy or None) [b, s] from an LM role's output: the fused head op on its
-    hidden states (rl.fused_head: no [tokens, V] logits, forward or backward), or its logits."""
+    hidden states (rl.fused_head: no [tokens, V] logits, forward or backward; its logit chunks in
+    `chunk_buffer`'s memory on a CPU), or its logits."""
     from megatron.core import parallel_state as ps
 
     from megarl.models.gpt import HeadStates
@@ -189,7 +190,8 @@ def _token_logprobs(vocab_size: int, temperature: float, with_entropy: bool = Fa
         # head leaves them out of its GEMMs
         labels = labels.masked_fill(~mask, IGNORE_INDEX)
         if isinstance(output, HeadStates):  # hidden [b, s, h] + the output weight
-            logp, entropy = head_logprobs(output, labels, temperature=temperature, with_entropy=with_entropy)
+            logp, entropy = head_logprobs(output, labels, temperature=temperature, with_entropy=with_entropy,
+                                          chunk_buffer=chunk_buffer)
         else:
             logits = mask_padded_vocab(output, vocab_size)  # [b, s, V_pad/tp]
             logp, entropy = logprobs_and_entropy(logits, labels, tp_group=ps.get_tensor_model_parallel_group(),
@@ -257,6 +259,9 @@ class RLStage(Stage):
             self.kl_ctl = A.FixedKLController(r.kl_coef)
         self.nonfinite_in_a_row = 0
         self.kl_over_ceiling = 0
+        # the fused head's logit chunks on a CPU, kept from one micro-batch's scoring or training
+        # to the next (one chunk's logits, <= 256 MiB; ops.ChunkBuffer)
+        self.chunk_buffer = ChunkBuffer()
         self.phases = PhaseScheduler(self.all_roles, self._phase_plan(), offloadable=self._offloadable())
 
     # -- residency ----------------------------------------------------------------------------
@@ -426,7 +431,7 @@ class RLStage(Stage):
         micro-batch plan of these rows."""
         r = self.cfg.rl
         groups = self._plan(exp.lengths)
-        logprobs = _token_logprobs(self.cfg.model.vocab_size, r.temperature)
+        logprobs = _token_logprobs(self.cfg.model.vocab_size, r.temperature, chunk_buffer=self.chunk_buffer)
         fused, packed = r.fused_head, r.packing
         if r.old_logprobs == "rollout":  # the sampled distribution's own log-probs
             exp.old_logp = exp.rollout_logp
@@ -534,7 +539,7 @@ class RLStage(Stage):
                 return (per_token * flat["weight"][pos]).sum()
 
             loss_sum, logp, entropy = head_token_loss(head, labels, token_loss, temperature=r.temperature,
-                                                      with_entropy=r.entropy_coef > 0)
+                                                      with_entropy=r.entropy_coef > 0, chunk_buffer=self.chunk_buffer)
             with torch.no_grad():  # the metrics, from the same log-probs
                 _, count, metrics = A.ppo_policy_loss(
                     per_row(batch, logp), batch["old_logp"], batch["advantages"], batch["mask"], agg=r.loss_agg,
