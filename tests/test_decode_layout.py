@@ -79,7 +79,8 @@ def _body(rank, world_size):
         for wide in (cpu_gemm.OUT_MAJOR_MIN_OUT, 150):
             cpu_gemm.OUT_MAJOR_MIN_OUT, default_wide = wide, cpu_gemm.OUT_MAJOR_MIN_OUT
             try:
-                with cpu_gemm.cpu_linears(role.chunks, onednn=False, out_major={-1: None}, layer_kernel=False) as n_routed:
+                with cpu_gemm.cpu_linears(role.chunks, onednn=False, out_major={-1: None},
+                                          layer_kernel=False) as n_routed:
                     routed_no_onednn.append((n_routed, sorted(n.rsplit(".", 1)[-1] for n, m in gpt.named_modules()
                                                               if "_forward_impl" in vars(m))))
             finally:

@@ -1,8 +1,9 @@
 """Decode steps outside megatron-core's module calls (models/decode_step.py): the same logits, bit
 for bit, as the model's own forward at every decode step, for each configuration `plan` accepts
 (GQA and MHA, q/k norms, QKV bias, tied embeddings, bf16 under megatron's Float16Module, the CPU's
-GEMM routings: MKL, oneDNN, megarl._cpu's kernel for the layers too; TP 2); the same rollouts from the engine with the path on and off; and the model's
-own path (plan None) for what the path does not cover.
+GEMM routings: MKL, oneDNN, megarl._cpu's kernel for the layers too; TP 2); the same rollouts
+from the engine with the path on and off; and the model's own path (plan None) for what the path
+does not cover.
 """
 import pytest
 import torch
@@ -107,7 +108,7 @@ def _single_body(rank, world_size):
     kernel, layer_calls = cpu_kernels.wide_linear(), [0]  # megarl._cpu's GEMM on a layer's (not the head's) weight
     cpu_kernels.wide_linear = lambda: kernel and (lambda x, w: layer_calls.__setitem__(
         0, layer_calls[0] + (w.shape[0] < cpu_gemm.OUT_MAJOR_MIN_OUT)) or kernel(x, w))
-    # (oneDNN, the layers' linears through megarl._cpu's kernel): MKL; oneDNN; the kernel at 1-32
+    # (oneDNN, the layers' linears through megarl._cpu's kernel): MKL; oneDNN; the kernel at 1-64
     # rows (where built), oneDNN above
     routes = ((False, False), (True, False), (True, True)) if cpu_gemm.onednn_available() else (
         (False, False), (False, True))
