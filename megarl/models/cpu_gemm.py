@@ -1,5 +1,6 @@
 """GEMMs on a CPU: which library runs fp32 no-grad linears, megarl._cpu's kernel for the LM head
-at few rows; bf16/fp16 GEMMs optionally through fp32 sgemm, rounded once (train.cpu_half_gemm).
+(on an AMD CPU the layers' too) at a decode step's rows; bf16/fp16 GEMMs optionally through fp32
+sgemm, rounded once (train.cpu_half_gemm).
 
 fp32 linears without autograd (generation, scoring). MKL's sgemm (what `torch.matmul` runs) and
 oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`, in every x86 torch build)
