@@ -164,9 +164,7 @@ def rollout_ab(args) -> None:
     w.prompt_min = 40 if args.rollout == "realistic" else w.prompt_len
     w.max_pos = max(256, w.prompt_len + w.new_tokens)
     cpu_kernel, wide_linear, cpu_sampler = da.cpu_kernel, cpu_kernels.wide_linear, sampling.cpu_sampler
-    if args.ab == "head" and wide_linear() is None:
-        sys.exit("megarl._cpu.wide_linear does not run here (not built, or no AVX-512)")
-    if args.ab == "layers" and wide_linear() is None:
+    if args.ab in ("head", "layers") and wide_linear() is None:
         sys.exit("megarl._cpu.wide_linear does not run here (not built, or no AVX-512)")
     if args.ab == "sampler" and getattr(cpu_kernels.load(), "sample_rows", None) is None:
         sys.exit("megarl._cpu.sample_rows is not built here")

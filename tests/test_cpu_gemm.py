@@ -275,6 +275,19 @@ def test_onednn_linear_leaves_everything_else_to_megatron():
                for c in calls)  # megatron's settings passed through untouched
 
 
+# megatron-core's other keywords to a linear's `_forward_impl` (its backward's settings)
+_IMPL_KW = dict(gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False, tp_group=None,
+                grad_output_buffer=None)
+
+
+def _assert_float64_linear(y, x, weight, bias):
+    """y: x [rows, 1, in] through weight [out, in] (+ bias), contiguous, equal to float64 within
+    fp32 rounding."""
+    ref = x.double() @ weight.double().t() + (bias.double() if bias is not None else 0)
+    assert y.shape == ref.shape and y.is_contiguous()
+    assert float((y.double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
+
+
 def _wide_kernel():
     from megarl.models import cpu_kernels
 
@@ -302,8 +315,6 @@ def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel,
     w = torch.nn.Parameter(stored.t().contiguous().t(), requires_grad=False)  # the decode layout
     narrow = torch.nn.Parameter(torch.randn(cpu_gemm.OUT_MAJOR_MIN_OUT - 64, 40, generator=g), requires_grad=False)
     bias = torch.randn(stored.shape[0], generator=g) if with_bias else None
-    kw = dict(gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False, tp_group=None,
-              grad_output_buffer=None)
     calls = []
     impl = _cpu_forward_impl(_fake_megatron_impl(calls), {id(w): stored, id(narrow): narrow.data})
 
@@ -311,10 +322,8 @@ def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel,
         x = torch.randn(rows, 1, 40, generator=g)
         before = len(kernel_calls)
         with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            y = run(input=x, weight=weight, bias=b, **kw)
-        ref = x.double() @ weight.double().t() + (b.double() if b is not None else 0)
-        assert y.shape == (rows, 1, weight.shape[0]) and y.is_contiguous()
-        assert float((y.double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
+            y = run(input=x, weight=weight, bias=b, **_IMPL_KW)
+        _assert_float64_linear(y, x, weight, b)
         keys = {e.key for e in prof.key_averages()}
         return ("oneDNN" if "mkldnn::_linear_pointwise" in keys else "") + ("MKL" if "aten::mm" in keys else "") + (
             "megarl" if len(kernel_calls) > before else "")
@@ -374,8 +383,6 @@ def test_a_layer_s_weight_at_decode_rows_runs_the_kernel_with_layer_kernel(onedn
     w_odd = torch.nn.Parameter(odd.t().contiguous().t(), requires_grad=False)
     not_kept = torch.nn.Parameter(torch.randn(72, 40, generator=g), requires_grad=False)
     bias = torch.randn(72, generator=g) if with_bias else None
-    kw = dict(gradient_accumulation_fusion=False, allreduce_dgrad=False, sequence_parallel=False, tp_group=None,
-              grad_output_buffer=None)
     calls = []
     kept = {id(w): stored, id(w_odd): odd}
     impl = cpu_gemm._cpu_forward_impl(_fake_megatron_impl(calls), kept, onednn, layer_kernel=True)
@@ -384,10 +391,8 @@ def test_a_layer_s_weight_at_decode_rows_runs_the_kernel_with_layer_kernel(onedn
         x = torch.randn(rows, 1, weight.shape[1], generator=g)
         before = len(kernel_calls)
         with torch.no_grad():
-            y = run(input=x, weight=weight, bias=b, **kw)
-        ref = x.double() @ weight.double().t() + (b.double() if b is not None else 0)
-        assert y.shape == (rows, 1, weight.shape[0]) and y.is_contiguous()
-        assert float((y.double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
+            y = run(input=x, weight=weight, bias=b, **_IMPL_KW)
+        _assert_float64_linear(y, x, weight, b)
         return len(kernel_calls) > before
 
     assert cpu_gemm.LAYER_KERNEL_ROWS == (1, 64)

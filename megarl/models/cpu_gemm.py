@@ -222,8 +222,8 @@ def layer_kernel_pays(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
     On an AMD EPYC (Zen 4), 1 thread, with the LM head's weight read between calls as a decode
     step reads it: 0.31-0.61x of oneDNN's time at 1-32 rows for a hidden-256 layer's four linears,
-    0.43-0.88x at 1-64 rows at hidden 512 (docs/benchmarks.md). Not measured on an Intel CPU, where the layers
-    keep MKL on their [in, out] memory."""
+    0.43-0.88x at 1-64 rows at hidden 512 (docs/benchmarks.md). Not measured on an Intel CPU,
+    where the layers keep MKL on their [in, out] memory."""
     return _cpu_vendor(cpuinfo) == "AuthenticAMD"
 
 
