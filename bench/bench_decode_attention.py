@@ -1,7 +1,7 @@
 """CPU benchmark: one decode step's attention over the KV cache, megarl's kernel vs torch SDPA.
 
     python bench/bench_decode_attention.py [--reps 7] [--threads 1] [--quick]
-    python bench/bench_decode_attention.py --rollout default|realistic [--ab attention|head|prefix|sampler|step|layers]
+    python bench/bench_decode_attention.py --rollout default|realistic [--ab attention|head|prefix|sampler|step|layers|native]
                                            [--reps 3] [--prompts N]
 
 Per shape, `layers` separate caches of [rows, kv_heads, max_len, d] fp32 (the engine's layout)
@@ -28,7 +28,10 @@ megarl._cpu's draw (csrc/cpu_sampling.cpp, rollout/sampling.py) against torch's 
 the decode steps through models/decode_step.py (the engine's default at PP 1) against the model's
 own megatron-core modules; `--ab layers` the layers' linears at 1-64 rows through megarl._cpu's
 kernel on their [out, in] weights (the engine's `layer_kernel`, default on an AMD CPU) against
-oneDNN / MKL on the [in, out] memory (the LM head takes the kernel in both).
+oneDNN / MKL on the [in, out] memory (the LM head takes the kernel in both; the layers in torch
+operations in both); `--ab native` each decode step's layers as one call of megarl._cpu.decode_layer
+(the engine's `native_layers`, its default where `layer_kernel` is on) against decode_step.py's
+torch operations with the same kernel for the linears.
 --prompts: prompts of the replayed batch (default 8, realistic 2), 8 samples each.
 """
 import argparse
@@ -60,7 +63,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="two small shapes, 2 reps: a smoke run")
     ap.add_argument("--rollout", choices=("default", "realistic"), help="time bench_rl_step.py's generate phase")
-    ap.add_argument("--ab", choices=("attention", "head", "prefix", "sampler", "step", "layers"), default="attention",
+    ap.add_argument("--ab", choices=("attention", "head", "prefix", "sampler", "step", "layers", "native"), default="attention",
                     help="--rollout: the kernel compared (decode attention, the LM head's GEMM, shared prompt "
                          "reads in decode attention, the draw, the decode step's path)")
     ap.add_argument("--prompts", type=int, help="--rollout: prompts of the batch (default 8; realistic 2)")
@@ -164,7 +167,7 @@ def rollout_ab(args) -> None:
     w.prompt_min = 40 if args.rollout == "realistic" else w.prompt_len
     w.max_pos = max(256, w.prompt_len + w.new_tokens)
     cpu_kernel, wide_linear, cpu_sampler = da.cpu_kernel, cpu_kernels.wide_linear, sampling.cpu_sampler
-    if args.ab in ("head", "layers") and wide_linear() is None:
+    if args.ab in ("head", "layers", "native") and wide_linear() is None:
         sys.exit("megarl._cpu.wide_linear does not run here (not built, or no AVX-512)")
     if args.ab == "sampler" and getattr(cpu_kernels.load(), "sample_rows", None) is None:
         sys.exit("megarl._cpu.sample_rows is not built here")
@@ -182,11 +185,16 @@ def rollout_ab(args) -> None:
                  "megatron-core modules": lambda: setattr(engine[0], "decode_fast_path", False)},
         "layers": {"megarl kernel": lambda: setattr(engine[0], "layer_kernel", True),
                    "oneDNN / MKL": lambda: setattr(engine[0], "layer_kernel", False)},
+        "native": {"decode_layer": lambda: setattr(engine[0], "native_layers", True),
+                   "torch operations": lambda: setattr(engine[0], "native_layers", False)},
     }[args.ab]
     with tempfile.TemporaryDirectory(prefix="bench_decode_attention_") as work:
         model_dir, prompts_file = rl.build_assets(w, work)
         stage = rl.build_megarl(w, model_dir, prompts_file, work)
         engine.append(stage.engine)
+        if args.ab in ("layers", "native"):
+            stage.engine.layer_kernel = True
+            stage.engine.native_layers = args.ab == "native"  # --ab layers: the linears' routing alone
         calls = []  # the first step's generate arguments, replayed
         generate = stage.engine.generate
         stage.engine.generate = lambda *a, **k: calls.append((a, k)) or generate(*a, **k)
@@ -204,7 +212,8 @@ def rollout_ab(args) -> None:
                 lens[name], rollouts[name] = r.response_lens.float().mean().item(), r
         da.cpu_kernel, cpu_kernels.wide_linear, sampling.cpu_sampler = cpu_kernel, wide_linear, cpu_sampler
         stage.engine.shared_prompt_reads = stage.engine.decode_fast_path = True
-        stage.engine.layer_kernel = cpu_gemm.layer_kernel_pays()  # the engine's default
+        stage.engine.layer_kernel = cpu_gemm.layer_kernel_pays()  # the engine's defaults
+        stage.engine.native_layers = True
     (mine, theirs) = variants
     same, lp_err = same_samples(rollouts[mine], rollouts[theirs])
     print(f"\n## Generate phase of bench_rl_step.py --workload {args.rollout}, fp32, {args.threads} thread(s), "
@@ -212,7 +221,8 @@ def rollout_ab(args) -> None:
           f"{lens[theirs]:.0f} with {theirs}; sampled tokens identical in {same} of {len(rollouts[mine].tokens)} "
           f"rows, log-probs before any first difference within {lp_err:.1e})\n")
     what = {"attention": "decode attention", "head": "LM head at 2-32 rows", "prefix": "decode attention's reads",
-            "sampler": "the draw", "step": "decode steps", "layers": "layers' linears at 1-64 rows"}[args.ab]
+            "sampler": "the draw", "step": "decode steps", "layers": "layers' linears at 1-64 rows",
+            "native": "decode steps' layers"}[args.ab]
     print(f"| {what} | best CPU-s | median CPU-s |")
     print("|---|---|---|")
     for name, ts in times.items():

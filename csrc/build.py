@@ -42,13 +42,14 @@ def kernel_sources():
     return sorted(glob.glob(os.path.join(HERE, "*.cu")))
 
 
-CPU_SOURCES = ("cpu_decode_attention.cpp", "cpu_wide_linear.cpp", "cpu_sampling.cpp", "cpu_logprobs.cpp",
-               "cpu_bindings.cpp")
+CPU_SOURCES = ("cpu_decode_attention.cpp", "cpu_wide_linear.cpp", "cpu_decode_layer.cpp", "cpu_sampling.cpp",
+               "cpu_logprobs.cpp", "cpu_bindings.cpp")
 
 
 def cpu_extension():
     """megarl._cpu (cpu_decode_attention.cpp: decode attention over the KV cache;
-    cpu_wide_linear.cpp: the LM head's GEMM at decode sizes; cpu_sampling.cpp: the decode step's
+    cpu_wide_linear.cpp: the LM head's GEMM at decode sizes; cpu_decode_layer.cpp: a whole layer
+    at a decode step; cpu_sampling.cpp: the decode step's
     draw over the vocabulary; cpu_logprobs.cpp: the log-prob/entropy row passes over fp32
     logits), or None without a C++ compiler.
     Optional: a failed compile leaves megarl on torch's SDPA and GEMMs."""

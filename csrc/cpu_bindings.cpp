@@ -2,20 +2,7 @@
 // RuntimeError naming the op.
 #include <torch/extension.h>
 
-namespace megarl_cpu {
-at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                            const c10::optional<at::Tensor>& masked, double scale,
-                            const c10::optional<at::Tensor>& prefix_rows, int64_t prefix_len);
-at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& w);
-std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits, const at::Tensor& uniforms,
-                                               double temperature, int64_t block);
-bool wide_linear_supported();
-at::Tensor logprob_stats(const at::Tensor& x, const at::Tensor& cols, const at::Tensor& owned, double inv_temp,
-                         bool with_moment);
-void logprob_grad(const at::Tensor& x, at::Tensor& out, const at::Tensor& lse, const at::Tensor& a,
-                  const c10::optional<at::Tensor>& b, const at::Tensor& cols, const at::Tensor& c,
-                  const at::Tensor& keep, double inv_temp);
-}  // namespace megarl_cpu
+#include "cpu_ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &megarl_cpu::decode_attention,
@@ -36,6 +23,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("out"), pybind11::arg("lse"), pybind11::arg("a"), pybind11::arg("b"),
         pybind11::arg("cols"),
         pybind11::arg("c"), pybind11::arg("keep"), pybind11::arg("inv_temp"));
+  m.def("decode_layer", &megarl_cpu::decode_layer,
+        "one pre-norm transformer layer (fused QKV, RoPE, KV-cache attention, SwiGLU) at a decode step, fp32",
+        pybind11::arg("h"), pybind11::arg("norm1"), pybind11::arg("eps1"), pybind11::arg("w_qkv"),
+        pybind11::arg("b_qkv"), pybind11::arg("groups"), pybind11::arg("heads"), pybind11::arg("head_dim"),
+        pybind11::arg("q_norm"), pybind11::arg("q_eps"), pybind11::arg("k_norm"), pybind11::arg("k_eps"),
+        pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("start"), pybind11::arg("masked"), pybind11::arg("scale"), pybind11::arg("prefix_rows"),
+        pybind11::arg("prefix_len"), pybind11::arg("w_proj"), pybind11::arg("norm2"), pybind11::arg("eps2"),
+        pybind11::arg("w_fc1"), pybind11::arg("b_fc1"), pybind11::arg("w_fc2"), pybind11::arg("glu_offset"));
   m.def("wide_linear_supported", &megarl_cpu::wide_linear_supported,
         "whether this CPU runs wide_linear (AVX-512)");
 }

@@ -207,7 +207,7 @@ def test_a_build_older_than_the_checkout_is_not_used(monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernels, "import_kernels", lambda name: (stale, ""))
     with caplog.at_level("INFO", logger="megarl.models"):
         assert cpu_kernels.load() is None and cpu_kernels.wide_linear() is None
-    assert "lacks sample_rows" in caplog.text and "rebuild" in caplog.text
+    assert "lacks decode_layer, sample_rows" in caplog.text and "rebuild" in caplog.text
 
 
 def _engine_body(rank, world_size):
@@ -223,7 +223,9 @@ def _engine_body(rank, world_size):
     role = Role("actor", mc, ParallelConfig(), head="lm", seed=4)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 100, (n,), generator=g).tolist() for n in (3, 11, 6, 1, 8)]
-    engine = MegatronRolloutEngine(role, vocab_size=100, pad_id=0, max_batch_size=8)
+    # native_layers off: decode steps reach the kernel through models/decode_attention.py, where
+    # this test swaps it (megarl._cpu.decode_layer calls it from C++: tests/test_decode_layer.py)
+    engine = MegatronRolloutEngine(role, vocab_size=100, pad_id=0, max_batch_size=8, native_layers=False)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10)
     real = da.cpu_kernel
     kernel = real()

@@ -92,12 +92,15 @@ def _body(rank, world_size):
         plain = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, in_major_weights=False, onednn_linears=False)
         mkl = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=False, layer_kernel=False)
         fast = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=True, layer_kernel=False)
-        layers = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=True, layer_kernel=True)
+        layers = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=True, layer_kernel=True,
+                                       native_layers=False)
+        native = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, onednn_linears=True, layer_kernel=True)
         greedy = SamplingParams(greedy=True, max_new_tokens=10)
         sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=10)
         runs, onednn_calls, head_mkl_calls, head_kernel_calls, head_kernel_one_row = [], [], [], [], []
         layer_kernel_calls, onednn_rows = [], []
-        for e, wide in ((plain, None), (mkl, None), (fast, None), (fast, VOCAB), (mkl, VOCAB), (layers, None)):
+        for e, wide in ((plain, None), (mkl, None), (fast, None), (fast, VOCAB), (mkl, VOCAB), (layers, None),
+                        (native, None)):
             # wide: the head counts as wide (models/cpu_gemm.py), so 1-32 rows read its [out, in] tensor
             cpu_gemm.OUT_MAJOR_MIN_OUT, default_wide = wide or cpu_gemm.OUT_MAJOR_MIN_OUT, cpu_gemm.OUT_MAJOR_MIN_OUT
             kernel_calls[:] = [0, 0, 0]
@@ -124,7 +127,7 @@ def _body(rank, world_size):
                          onednn_calls=onednn_calls, head_mkl_calls=head_mkl_calls,
                          head_kernel_calls=head_kernel_calls, head_kernel_one_row=head_kernel_one_row,
                          layer_kernel_calls=layer_kernel_calls, onednn_rows=onednn_rows,
-                         kernel=kernel is not None,
+                         kernel=kernel is not None, native_layers=[r[0].stats["native_layers"] for r in runs],
                          storages=len({w.untyped_storage().data_ptr() for w in weights}),
                          names=sorted(names[id(w)] for w in weights), switched=len(out_major), inside=inside,
                          restored=was_restored, restored_after_error=restored_after_error,
@@ -159,7 +162,7 @@ def test_every_linear_switches_and_comes_back_untouched(result, tied):
 @pytest.mark.parametrize("tied", [False, True])
 def test_generation_is_the_same_model_in_either_layout_and_library(result, tied):
     r = result[tied]
-    assert all(g == r["greedy"][0] for g in r["greedy"]) and len(r["greedy"]) == 6
+    assert all(g == r["greedy"][0] for g in r["greedy"]) and len(r["greedy"]) == 7
     assert all(s == r["sampled"][0] for s in r["sampled"])  # keyed draws, fp32 rounding
     assert 0.0 <= r["logprob_diff"] < 1e-4, r["logprob_diff"]
 
@@ -177,7 +180,7 @@ def test_every_linear_is_routed_to_onednn_and_comes_back(result, tied):
     assert [names for _, names in r["routed_no_onednn"]] == expected
     assert all(n == len(names) for n, names in r["routed_no_onednn"])
     assert r["routed_layer_kernel"] == (r["linears"] if r["kernel"] else 0)
-    plain, mkl, fast, wide, mkl_wide, layers = r["onednn_calls"]
+    plain, mkl, fast, wide, mkl_wide, layers, native = r["onednn_calls"]
     assert plain == mkl == mkl_wide == 0
     # every linear of every forward with 2+ rows: at most the prefill and 9 decode steps of each of
     # the 4-row greedy and 12-row sampled batches (rows left alone at the end go MKL's path)
@@ -203,6 +206,13 @@ def test_every_linear_is_routed_to_onednn_and_comes_back(result, tied):
         assert r["layer_kernel_calls"][5] > 0 and layers == 0, (r["layer_kernel_calls"], r["onednn_rows"])
     else:
         assert r["layer_kernel_calls"][5] == 0 and layers == fast, r["onednn_calls"]
+    # native layers (the default with layer_kernel): every decode step's layers run in one call of
+    # megarl._cpu.decode_layer, whose GEMMs do not come back to Python; the prefills' still do
+    assert r["native_layers"] == [False] * 6 + [r["kernel"]], r["native_layers"]
+    if r["kernel"]:
+        assert 0 < r["layer_kernel_calls"][6] < r["layer_kernel_calls"][5] and native == 0, r["layer_kernel_calls"]
+    else:
+        assert r["layer_kernel_calls"][6] == 0 and native == fast, r["onednn_calls"]
 
 
 def test_bf16_weights_stay_in_their_layout(result):

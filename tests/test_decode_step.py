@@ -3,7 +3,9 @@ for bit, as the model's own forward at every decode step, for each configuration
 (GQA and MHA, q/k norms, QKV bias, tied embeddings, bf16 under megatron's Float16Module, the CPU's
 GEMM routings: MKL, oneDNN, megarl._cpu's kernel for the layers too; TP 2); the same rollouts
 from the engine with the path on and off; and the model's own path (plan None) for what the path
-does not cover.
+does not cover. With native layers (megarl._cpu.decode_layer, fp32 at TP 1, where built) the
+logits and cache are the model's within fp32 rounding instead (the kernel against a float64 layer:
+tests/test_decode_layer.py), and rollouts sample the same tokens.
 """
 import pytest
 import torch
@@ -37,7 +39,8 @@ def _prompts():
 
 def _decode_steps(role, route, steps=3):
     """Prefill 5 rows through the model, then `steps` decode steps both ways on the same cache:
-    -> (logits equal at every step, caches equal after every step, largest |logit|, plan found, dtype)."""
+    -> (logits equal at every step, caches equal after every step, largest |logit|, plan found, dtype,
+    native layers planned, largest |logit| and |cache| differences)."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
     from megarl.models import cpu_gemm, decode_layout, decode_step
@@ -53,11 +56,11 @@ def _decode_steps(role, route, steps=3):
     mask = torch.ones(P, P, dtype=torch.bool).triu_(1)[None, None] | key_pad[:, None, None, :P]
     mask.diagonal(dim1=-2, dim2=-1).fill_(False)
     positions = torch.arange(P)[None].expand(B, P)
-    same_logits, same_cache, scale = [], [], 0.0
+    same_logits, same_cache, scale, logit_diff, cache_diff = [], [], 0.0, 0.0, 0.0
     with (torch.no_grad(), _inference_mode(role.chunks, unwrap(role.model)),
           decode_layout.in_major_weights(role.chunks) as out_major,
           cpu_gemm.cpu_linears(role.chunks, route[0], out_major, route[1])):
-        plan = decode_step.plan(role.model)
+        plan = decode_step.plan(role.model, out_major, native=route[2])
         ctx = StaticInferenceContext(B, S)
         ctx.materialize_only_last_token_logits = True
         role.model(tokens, positions, mask, inference_context=ctx, runtime_gather_output=True)
@@ -77,21 +80,38 @@ def _decode_steps(role, route, steps=3):
             same_cache.append(all(torch.equal(cache[k][i][:, :, :end], their_cache[k][i][:, :, :end])
                                   for k in their_cache for i in (0, 1)))
             scale = max(scale, theirs.abs().max().item())
+            logit_diff = max(logit_diff, (mine.double() - theirs.double()).abs().max().item())
+            cache_diff = max([cache_diff] + [(cache[k][i][:, :, :end].double() - their_cache[k][i][:, :, :end].double())
+                                             .abs().max().item() for k in their_cache for i in (0, 1)])
             ctx.increment_sequence_len_offset(1)
-    return same_logits, same_cache, scale, plan is not None, mine.dtype
+    return (same_logits, same_cache, scale, plan is not None, mine.dtype, plan.native is not None, logit_diff,
+            cache_diff)
 
 
-def _generate(role, fast, route=(None, None)):
+def _generate(role, fast, route=(None, None, False)):
     from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
 
     eng = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=8, onednn_linears=route[0],
-                                layer_kernel=route[1], decode_fast_path=fast)
+                                layer_kernel=route[1], decode_fast_path=fast, native_layers=route[2])
     return eng.generate(_prompts(), SamplingParams(**PARAMS), seed=5)
 
 
-def _same_rollout(a, b) -> bool:
-    return (torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+def _same_rollout(a, b, logprob_tol=0.0) -> bool:
+    """The same tokens, ends and log-probs (equal, or within logprob_tol)."""
+    return (torch.equal(a.tokens, b.tokens) and torch.allclose(a.logprobs, b.logprobs, rtol=0, atol=logprob_tol)
             and torch.equal(a.stopped, b.stopped) and torch.equal(a.response_lens, b.response_lens))
+
+
+def _random_norms(role, seed=13):
+    """Every RMSNorm weight away from its initial ones, each its own (so that a norm read in the
+    wrong place changes the logits)."""
+    from megarl.models.layout import unwrap
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in unwrap(role.model).modules():
+            if isinstance(m, torch.nn.RMSNorm) and m.weight is not None:
+                m.weight.add_((0.3 * torch.randn(m.weight.shape, generator=g)).to(m.weight.dtype))
 
 
 def _single_body(rank, world_size):
@@ -108,19 +128,21 @@ def _single_body(rank, world_size):
     kernel, layer_calls = cpu_kernels.wide_linear(), [0]  # megarl._cpu's GEMM on a layer's (not the head's) weight
     cpu_kernels.wide_linear = lambda: kernel and (lambda x, w: layer_calls.__setitem__(
         0, layer_calls[0] + (w.shape[0] < cpu_gemm.OUT_MAJOR_MIN_OUT)) or kernel(x, w))
-    # (oneDNN, the layers' linears through megarl._cpu's kernel): MKL; oneDNN; the kernel at 1-64
-    # rows (where built), oneDNN above
-    routes = ((False, False), (True, False), (True, True)) if cpu_gemm.onednn_available() else (
-        (False, False), (False, True))
+    # (oneDNN, the layers' linears through megarl._cpu's kernel, native layers): MKL; oneDNN; the
+    # kernel at 1-64 rows (where built), oneDNN above; a decode step's layers in megarl._cpu.decode_layer
+    routes = ((False, False, False), (True, False, False), (True, True, False), (True, True, True)) if (
+        cpu_gemm.onednn_available()) else ((False, False, False), (False, True, False), (False, True, True))
     for name, (fields, precision) in CONFIGS.items():
         role = Role("actor", _cfg(**fields), ParallelConfig(), head="lm", seed=5, precision=precision)
+        _random_norms(role)
         for route in routes:
             layer_calls[0] = 0
             out["steps"][name, route] = _decode_steps(role, route)
             out["layer_kernel_calls"][name, route] = layer_calls[0]
             fast, slow = _generate(role, True, route), _generate(role, False, route)
-            out["rollouts"][name, route] = (_same_rollout(fast, slow), fast.stats["decode_fast_path"],
-                                             slow.stats["decode_fast_path"], fast.stopped.any().item())
+            out["rollouts"][name, route] = (_same_rollout(fast, slow, 1e-5 if route[2] else 0.0),
+                                             fast.stats["decode_fast_path"], slow.stats["decode_fast_path"],
+                                             fast.stopped.any().item(), fast.stats["native_layers"])
 
     role = Role("actor", _cfg(num_kv_heads=2), ParallelConfig(), head="lm", seed=5)
     role.model.train()
@@ -140,14 +162,24 @@ def single():
     return run_distributed(_single_body, 1)[0]
 
 
+def _native_expected(single, name, route) -> bool:
+    """Native layers serve fp32 models at TP 1 where megarl._cpu's kernel runs, when asked."""
+    return route[2] and single["kernel"] and dtype_of(name) == "fp32"
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_decode_steps_give_the_model_s_logits_bit_for_bit(single, name):
-    for (config, route), (same_logits, same_cache, scale, planned, dtype) in single["steps"].items():
+    for (config, route), steps in single["steps"].items():
         if config != name:
             continue
+        same_logits, same_cache, scale, planned, dtype, native, logit_diff, cache_diff = steps
         assert planned, f"{name}: plan() declined a configuration it serves"
         assert scale > 1.0, "the logits must not be near zero (a vacuous comparison)"
         assert dtype == torch.float32, f"{name}: logits must come back in fp32 as from the model, got {dtype}"
+        assert native == _native_expected(single, name, route), (name, route, native)
+        if native:  # C++ elementwise work: the model's logits and cache up to fp32 rounding
+            assert logit_diff <= 1e-5 * scale and cache_diff <= 1e-5, (name, route, logit_diff, cache_diff)
+            continue
         assert all(same_logits), f"{name} (oneDNN, layer kernel: {route}): decode-step logits differ from the model's"
         assert all(same_cache), f"{name} (oneDNN, layer kernel: {route}): the KV cache differs from the model's"
         # the layers' linears ran megarl._cpu's kernel exactly when asked and built (fp32 weights only)
@@ -157,10 +189,11 @@ def test_decode_steps_give_the_model_s_logits_bit_for_bit(single, name):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_rollouts_are_the_same_with_and_without_the_path(single, name):
-    for (config, route), (same, fast_used, slow_used, stopped) in single["rollouts"].items():
+    for (config, route), (same, fast_used, slow_used, stopped, native) in single["rollouts"].items():
         if config != name:
             continue
         assert fast_used and not slow_used, f"{name}: decode_fast_path stat {fast_used}, {slow_used}"
+        assert native == _native_expected(single, name, route), (name, route, native)
         assert stopped, "some row must stop on a stop id"
         assert same, f"{name} (oneDNN, layer kernel: {route}): the rollout changed with the decode path"
 
@@ -180,14 +213,16 @@ def _tp_body(rank, world_size):
     init_distributed(2, 1, seed=3)
     role = Role("actor", _cfg(num_kv_heads=2, qkv_bias=True), ParallelConfig(tp=2), head="lm", seed=5)
     fast, slow = _generate(role, True), _generate(role, False)
-    steps = _decode_steps(role, (False, True))  # MKL; each rank's shards of the layers through the kernel
+    # MKL; each rank's shards of the layers through the kernel; native layers asked for, not taken at TP 2
+    steps = _decode_steps(role, (False, True, True))
     teardown()
     return _same_rollout(fast, slow), fast.stats["decode_fast_path"], steps
 
 
 @pytest.mark.slow
 def test_tensor_parallel_decode_steps_are_the_model_s(single):
-    for rank, (same, used, (same_logits, same_cache, _, planned, _)) in enumerate(run_distributed(_tp_body, 2)):
-        assert used and planned, f"rank {rank}: TP 2 must take the decode path"
+    for rank, (same, used, steps) in enumerate(run_distributed(_tp_body, 2)):
+        same_logits, same_cache, _, planned, _, native, _, _ = steps
+        assert used and planned and not native, f"rank {rank}: TP 2 must take the decode path's torch operations"
         assert all(same_logits) and all(same_cache), f"rank {rank}: TP 2 decode steps differ from the model's"
         assert same, f"rank {rank}: TP 2 rollouts changed with the decode path"

@@ -1,6 +1,7 @@
 """Lazy handle on megarl._cpu, the optional CPU kernels (csrc/cpu_*.cpp, built by setup.py
 wherever a C++ compiler is): decode attention over the KV cache (models/decode_attention.py) and
-the LM head's GEMM at decode sizes (models/cpu_gemm.py), the decode step's draw
+the LM head's GEMM at decode sizes (models/cpu_gemm.py), a whole layer at a decode step
+(models/decode_step.py), the decode step's draw
 (rollout/sampling.py) and the log-prob/entropy row passes over fp32 logits (ops/logprobs.py).
 Imported on first use; when it cannot be used (no build, MEGARL_DISABLE_KERNELS=1) the reason is
 logged once and the callers run torch.
@@ -17,8 +18,8 @@ _UNLOADED = object()
 _module = _UNLOADED  # megarl._cpu, or None when it cannot be used here
 # What this checkout's csrc/cpu_*.cpp bind: a build without one of them is older than the Python
 # code calling it (decode_attention's prefix_rows came with sample_rows), and is not used.
-_BINDS = ("decode_attention", "wide_linear", "wide_linear_supported", "sample_rows", "logprob_stats",
-          "logprob_grad")
+_BINDS = ("decode_attention", "wide_linear", "wide_linear_supported", "decode_layer", "sample_rows",
+          "logprob_stats", "logprob_grad")
 
 
 def load():

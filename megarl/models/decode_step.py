@@ -13,6 +13,17 @@ TransformerLayer, MLP, Column/RowParallelLinear), so the logits are the same bit
 in between are gone. tests/test_decode_step.py compares the two paths for every configuration
 `plan` accepts.
 
+Native layers. With `plan(model, out_major, native=True)` (the rollout engine's default where the
+layers' linears run megarl._cpu's kernel, an AMD CPU: models/cpu_gemm.py), a decode step of 1-64
+rows at TP 1 in fp32 runs each layer as one call of megarl._cpu.decode_layer
+(csrc/cpu_decode_layer.cpp): the same maths on the same weights ([out, in] memory, the kernel's
+GEMMs and decode attention), the elementwise work in C++ loops instead of ~70 torch operations.
+Its results differ from the torch path's in the last bits (RMSNorm sums its squares in double):
+tests/test_decode_layer.py holds the kernel to a float64 layer, tests/test_decode_step.py its
+logits and cache to the model's within fp32 rounding. A decode step of a model too small to
+compute anything (hidden 16, 4 layers, 16 rows) took 0.87 ms against 1.85 ms; the realistic
+workload's generate phase 0.90x of its time (docs/benchmarks.md).
+
 `plan(model)` accepts the layer spec megarl builds without Transformer Engine (megatron-core's
 local modules with megarl's attention: RMSNorm, fused QKV with optional bias and q/k norms,
 SwiGLU MLP without bias) at pipeline size 1, any TP size, in eval mode, and returns None for
@@ -28,7 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megarl.models.cpu_gemm import plain_linear
+from megarl.models import cpu_kernels
+from megarl.models.cpu_gemm import LAYER_KERNEL_ROWS, plain_linear
 from megarl.models.layout import unwrap
 
 
@@ -39,6 +51,8 @@ class DecodePlan:
     fp32_output: bool       # a Float16Module wrapper returns fp32 logits; so does this path
     tp_group: object        # the tensor-parallel group (row-parallel outputs are summed over it)
     tp: int
+    native: list | None = None  # per layer: megarl._cpu.decode_layer's fixed arguments (_native_layers), or None
+    native_op: object = None    # megarl._cpu.decode_layer
 
 
 def _why_not(gpt) -> str | None:
@@ -100,9 +114,11 @@ def _why_not(gpt) -> str | None:
     return None
 
 
-def plan(model) -> DecodePlan | None:
+def plan(model, out_major: dict | None = None, native: bool = False) -> DecodePlan | None:
     """A DecodePlan when `decode_logits` serves this model (module docstring), else None.
-    Call it in the state the steps run in (eval, sequence parallelism off)."""
+    Call it in the state the steps run in (eval, sequence parallelism off). native: run the layers
+    through megarl._cpu.decode_layer where it serves them (module docstring), reading the linears'
+    [out, in] tensors from out_major (models/decode_layout.py's {id(weight): tensor})."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
@@ -116,8 +132,46 @@ def plan(model) -> DecodePlan | None:
     while hasattr(m, "module"):  # DDP / Float16Module wrappers, as layout.unwrap walks them
         fp32_output |= isinstance(m, Float16Module)
         m = m.module
-    return DecodePlan(gpt=gpt, fp32_output=fp32_output, tp_group=ps.get_tensor_model_parallel_group(),
-                      tp=ps.get_tensor_model_parallel_world_size())
+    tp = ps.get_tensor_model_parallel_world_size()
+    layers = _native_layers(gpt, out_major) if native and out_major and tp == 1 else None
+    return DecodePlan(gpt=gpt, fp32_output=fp32_output, tp_group=ps.get_tensor_model_parallel_group(), tp=tp,
+                      native=layers, native_op=None if layers is None else cpu_kernels.load().decode_layer)
+
+
+def _eps(norm) -> float:
+    """torch.nn.RMSNorm's epsilon: its own, else float32's machine epsilon (as F.rms_norm takes None)."""
+    return float(norm.eps) if norm.eps is not None else float(torch.finfo(torch.float32).eps)
+
+
+def _native_layers(gpt, out_major: dict) -> list | None:
+    """Per layer, megarl._cpu.decode_layer's arguments that stay fixed for a generate call, or None
+    where it does not serve (no kernel build or no AVX-512, a weight not fp32 on the CPU or not
+    kept in [out, in] memory, a norm without weight). `_why_not` has accepted the model."""
+    module = cpu_kernels.load()
+    if module is None or cpu_kernels.wide_linear() is None:
+        return None
+    layers = []
+    for layer in gpt.decoder.layers:
+        attn, mlp = layer.self_attention, layer.mlp
+        weights = [out_major.get(id(lin.weight)) for lin in (attn.linear_qkv, attn.linear_proj, mlp.linear_fc1,
+                                                              mlp.linear_fc2)]
+        norms = [layer.input_layernorm, layer.pre_mlp_layernorm]
+        qk = [n if type(n) is torch.nn.RMSNorm else None for n in (attn.q_layernorm, attn.k_layernorm)]
+        biases = [lin.bias for lin in (attn.linear_qkv, mlp.linear_fc1)]
+        tensors = weights + [n.weight for n in norms + [n for n in qk if n is not None]] + [b for b in biases
+                                                                                            if b is not None]
+        if any(t is None or t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+               for t in tensors):
+            return None
+        d = attn.hidden_size_per_attention_head
+        layers.append(dict(
+            number=attn.layer_number, norm1=norms[0].weight, eps1=_eps(norms[0]), w_qkv=weights[0], b_qkv=biases[0],
+            groups=attn.num_query_groups_per_partition, heads=attn.num_attention_heads_per_partition, head_dim=d,
+            q_norm=None if qk[0] is None else qk[0].weight, q_eps=0.0 if qk[0] is None else _eps(qk[0]),
+            k_norm=None if qk[1] is None else qk[1].weight, k_eps=0.0 if qk[1] is None else _eps(qk[1]),
+            scale=attn._softmax_scale(d), w_proj=weights[1], norm2=norms[1].weight, eps2=_eps(norms[1]),
+            w_fc1=weights[2], b_fc1=biases[1], w_fc2=weights[3], glu_offset=float(mlp.config.glu_linear_offset)))
+    return layers
 
 
 def _norm(norm, x):
@@ -176,6 +230,30 @@ def _layer(layer, h, mask, freqs, ctx, plan: DecodePlan):
     return _add_residual(_row(mlp.linear_fc2, y, plan), h)
 
 
+def _native_layers_step(plan: DecodePlan, h, mask, freqs, ctx):
+    """Every layer through megarl._cpu.decode_layer (module docstring). h: [1, A, H] -> [1, A, H]."""
+    _, A, H = h.shape
+    start, b0 = ctx.sequence_len_offset, ctx.batch_size_offset
+    end = start + 1
+    d = plan.native[0]["head_dim"]
+    half = freqs[start, 0, 0, : d // 2]  # this step's angles (every row at the cache offset), as apply_rope takes
+    cos, sin = torch.cos(half).float().contiguous(), torch.sin(half).float().contiguous()
+    masked = None if mask is None else mask.expand(A, 1, 1, end)[:, 0, 0, :]  # [A, end], True = not attended
+    prefix_rows, prefix_len = (getattr(ctx, "prefix_rows", None) if b0 == 0 else None), getattr(ctx, "prefix_len", 0)
+    if prefix_rows is None or not 0 < prefix_len <= end or prefix_rows.shape != (A,):
+        prefix_rows, prefix_len = None, 0
+    else:
+        prefix_rows = prefix_rows.to("cpu", torch.long).contiguous()
+    x = h.reshape(A, H).contiguous()  # [A, H]
+    for p in plan.native:
+        k_cache, v_cache = ctx.key_value_memory_dict[p["number"]]  # [B, g, S, d] each (models/attention.py)
+        x = plan.native_op(x, p["norm1"], p["eps1"], p["w_qkv"], p["b_qkv"], p["groups"], p["heads"], d,
+                           p["q_norm"], p["q_eps"], p["k_norm"], p["k_eps"], cos, sin, k_cache[b0: b0 + A],
+                           v_cache[b0: b0 + A], start, masked, p["scale"], prefix_rows, prefix_len, p["w_proj"],
+                           p["norm2"], p["eps2"], p["w_fc1"], p["b_fc1"], p["w_fc2"], p["glu_offset"])
+    return x.view(1, A, H)
+
+
 def decode_logits(plan: DecodePlan, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                   ctx) -> torch.Tensor:
     """tokens, positions [A, 1]; mask [A, 1, 1, sk] bool (True = masked) or None; ctx megatron's
@@ -187,8 +265,12 @@ def decode_logits(plan: DecodePlan, tokens: torch.Tensor, positions: torch.Tenso
     hidden, rotary, *_ = gpt._preprocess(input_ids=tokens, position_ids=positions, inference_context=ctx)
     h = hidden.unwrap() if hasattr(hidden, "unwrap") else hidden  # [1, A, H]
     freqs = rotary[0] if isinstance(rotary, tuple) else rotary  # [S, 1, 1, d] RoPE angles
-    for layer in gpt.decoder.layers:
-        h = _layer(layer, h, mask, freqs, ctx, plan)
+    if (plan.native is not None and h.dtype == torch.float32 and h.device.type == "cpu"
+            and LAYER_KERNEL_ROWS[0] <= h.shape[1] <= LAYER_KERNEL_ROWS[1]):
+        h = _native_layers_step(plan, h, mask, freqs, ctx)
+    else:
+        for layer in gpt.decoder.layers:
+            h = _layer(layer, h, mask, freqs, ctx, plan)
     h = _norm(gpt.decoder.final_layernorm, h)
     weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
     logits, _ = gpt.output_layer(h, weight=weight, runtime_gather_output=True)  # [1, A, V_pad]

@@ -103,7 +103,7 @@ class MegatronRolloutEngine(RolloutEngine):
                  max_batch_size: int = 64, max_seq_len: int | None = None, pp_microbatches: int | None = None,
                  compact: bool = True, tools: Toolbox | None = None, encode: Callable[[str], list[int]] | None = None,
                  in_major_weights: bool = True, onednn_linears: bool | None = None, layer_kernel: bool | None = None,
-                 cpu_half_gemm: str | None = None, decode_fast_path: bool = True):
+                 cpu_half_gemm: str | None = None, decode_fast_path: bool = True, native_layers: bool = True):
         """role: a megarl Role (or its model, possibly DDP / Float16Module wrapped) with an LM head.
         vocab_size: the true vocabulary (padded columns are never sampled).
         max_batch_size: rows per KV cache (micro-batch); the cache is freed after each.
@@ -131,7 +131,11 @@ class MegatronRolloutEngine(RolloutEngine):
         decode_fast_path: decode steps at PP 1 run models/decode_step.py (the same operations on the
             same tensors as the model's modules, without megatron-core's per-module calls: the
             same logits, bit for bit) where it serves the model; prefill and other models call the
-            model. False: every step calls the model."""
+            model. False: every step calls the model.
+        native_layers: where the layers' linears run that kernel (layer_kernel) at TP 1 in fp32,
+            a decode step's layers each run as one call of megarl._cpu.decode_layer (the same maths
+            in C++, results within fp32 rounding of the torch path's; models/decode_step.py).
+            False: the torch operations of decode_fast_path."""
         self.chunks = _model_chunks(role)
         self.model = self.chunks[0]
         self.gpt = unwrap(self.model)
@@ -150,6 +154,7 @@ class MegatronRolloutEngine(RolloutEngine):
         self.encode = encode
         self.in_major_weights = bool(in_major_weights)
         self.decode_fast_path = bool(decode_fast_path)
+        self.native_layers = bool(native_layers)
         self.onednn_linears = cpu_gemm.onednn_pays() if onednn_linears is None else bool(onednn_linears)
         self.layer_kernel = cpu_gemm.layer_kernel_pays() if layer_kernel is None else bool(layer_kernel)
         # decode steps read a shared prompt's cached keys and values from the first row of its
@@ -193,8 +198,10 @@ class MegatronRolloutEngine(RolloutEngine):
               cpu_gemm.half_gemms_in_fp32(self.chunks, self.half_gemms_fp32)):
             # in the state the steps run in (eval, sequence parallelism off); None: the model's own path
             pp1 = self.config.pipeline_model_parallel_size == 1
-            fast = decode_step.plan(self.model) if self.decode_fast_path and pp1 else None
+            fast = decode_step.plan(self.model, out_major, native=self.native_layers and self.layer_kernel) if (
+                self.decode_fast_path and pp1) else None
             stats["decode_fast_path"] = fast is not None
+            stats["native_layers"] = fast is not None and fast.native is not None
             for b0 in range(0, N, self.max_batch_size):
                 batch = order[b0: b0 + self.max_batch_size]
                 out = self._generate_batch([rows[r] for r in batch],
