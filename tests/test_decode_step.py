@@ -226,3 +226,24 @@ def test_tensor_parallel_decode_steps_are_the_model_s(single):
         assert used and planned and not native, f"rank {rank}: TP 2 must take the decode path's torch operations"
         assert all(same_logits) and all(same_cache), f"rank {rank}: TP 2 decode steps differ from the model's"
         assert same, f"rank {rank}: TP 2 rollouts changed with the decode path"
+
+
+def test_native_layers_take_only_what_decode_layer_takes():
+    """fp32 CPU rows within the kernel's 1-64, a bool mask broadcastable to [A, 1, 1, sk]; every
+    other step keeps the torch operations (which the tests above compare bit for bit)."""
+    import types
+
+    from megarl.models.cpu_gemm import LAYER_KERNEL_ROWS
+    from megarl.models.decode_step import _native_serves
+
+    ctx = types.SimpleNamespace(sequence_len_offset=9)  # this step writes position 9: sk = 10
+    h = torch.randn(1, 5, 8)
+    mask = torch.rand(5, 1, 1, 10) < 0.3
+    assert _native_serves(h, mask, ctx) and _native_serves(h, None, ctx) and _native_serves(h, mask[:1], ctx)
+    assert _native_serves(h, mask[..., :1], ctx)
+    assert not _native_serves(h.double(), mask, ctx)
+    assert not _native_serves(h.bfloat16(), mask, ctx)
+    assert not _native_serves(torch.randn(1, LAYER_KERNEL_ROWS[1] + 1, 8), None, ctx)  # above the kernel's rows
+    assert not _native_serves(h, mask.float(), ctx)  # an additive mask
+    assert not _native_serves(h, torch.rand(5, 1, 1, 12) < 0.3, ctx)  # more keys than the cache holds
+    assert not _native_serves(h, torch.rand(5, 4, 1, 10) < 0.3, ctx)  # a mask per head

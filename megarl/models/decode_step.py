@@ -230,6 +230,16 @@ def _layer(layer, h, mask, freqs, ctx, plan: DecodePlan):
     return _add_residual(_row(mlp.linear_fc2, y, plan), h)
 
 
+def _native_serves(h, mask, ctx) -> bool:
+    """Whether this step's inputs are what megarl._cpu.decode_layer takes: fp32 CPU hidden states
+    of LAYER_KERNEL_ROWS rows (where the layers' linears run the kernel) and a bool mask
+    broadcastable to [A, 1, 1, sk] (or none); anything else takes the torch operations."""
+    A, sk = h.shape[1], ctx.sequence_len_offset + 1
+    return (h.dtype == torch.float32 and h.device.type == "cpu" and LAYER_KERNEL_ROWS[0] <= A <= LAYER_KERNEL_ROWS[1]
+            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, A)
+                                  and mask.shape[1:3] == (1, 1) and mask.shape[3] in (1, sk))))
+
+
 def _native_layers_step(plan: DecodePlan, h, mask, freqs, ctx):
     """Every layer through megarl._cpu.decode_layer (module docstring). h: [1, A, H] -> [1, A, H]."""
     _, A, H = h.shape
@@ -265,8 +275,7 @@ def decode_logits(plan: DecodePlan, tokens: torch.Tensor, positions: torch.Tenso
     hidden, rotary, *_ = gpt._preprocess(input_ids=tokens, position_ids=positions, inference_context=ctx)
     h = hidden.unwrap() if hasattr(hidden, "unwrap") else hidden  # [1, A, H]
     freqs = rotary[0] if isinstance(rotary, tuple) else rotary  # [S, 1, 1, d] RoPE angles
-    if (plan.native is not None and h.dtype == torch.float32 and h.device.type == "cpu"
-            and LAYER_KERNEL_ROWS[0] <= h.shape[1] <= LAYER_KERNEL_ROWS[1]):
+    if plan.native is not None and _native_serves(h, mask, ctx):
         h = _native_layers_step(plan, h, mask, freqs, ctx)
     else:
         for layer in gpt.decoder.layers:
