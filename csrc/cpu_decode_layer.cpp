@@ -10,8 +10,8 @@
 // decode_attention (cpu_decode_attention.cpp). The maths is megatron-core's TransformerLayer with
 // megarl's attention (pre-RMSNorm, fused QKV, optional q/k RMSNorm, non-interleaved RoPE, SwiGLU,
 // no dropout), the same as models/decode_step.py's `_layer` up to fp32 rounding: RMSNorm sums its
-// squares in double, so results differ from torch's in the last bits (tests/test_decode_step.py
-// holds both to a float64 reference).
+// squares in double, so results differ from torch's in the last bits (tests/test_decode_layer.py
+// holds this to a float64 layer, tests/test_decode_step.py to the model's own logits).
 //
 // Bound with pybind11 (cpu_bindings.cpp) as megarl._cpu.decode_layer; the caller
 // (models/decode_step.py) checks what the model is and passes only what this runs.
