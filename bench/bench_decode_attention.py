@@ -63,9 +63,11 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="two small shapes, 2 reps: a smoke run")
     ap.add_argument("--rollout", choices=("default", "realistic"), help="time bench_rl_step.py's generate phase")
-    ap.add_argument("--ab", choices=("attention", "head", "prefix", "sampler", "step", "layers", "native"), default="attention",
+    ap.add_argument("--ab", choices=("attention", "head", "prefix", "sampler", "step", "layers", "native"),
+                    default="attention",
                     help="--rollout: the kernel compared (decode attention, the LM head's GEMM, shared prompt "
-                         "reads in decode attention, the draw, the decode step's path)")
+                         "reads in decode attention, the draw, the decode step's path, the layers' linears at "
+                         "decode rows, the layers in megarl._cpu.decode_layer)")
     ap.add_argument("--prompts", type=int, help="--rollout: prompts of the batch (default 8; realistic 2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

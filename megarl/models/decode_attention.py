@@ -46,15 +46,29 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | N
               and key.shape[3] == d and 0 < key.shape[1] and n % key.shape[1] == 0
               and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
               and key.stride(2) == value.stride(2)
-              and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, b)
-                                    and mask.shape[1:3] == (1, 1) and mask.shape[3] in (1, key.shape[2])))
+              and mask_fits(mask, b, key.shape[2])
               and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
                                                     or value.requires_grad)))
     if not usable:
         return None
-    sk = key.shape[2]
+    masked, prefix_rows, prefix_len = kernel_mask_and_prefix(mask, b, key.shape[2], prefix_rows, prefix_len)
+    if prefix_rows is None:
+        return op(query[:, :, 0], key, value, masked, scale).unsqueeze(2)
+    return op(query[:, :, 0], key, value, masked, scale, prefix_rows, prefix_len).unsqueeze(2)
+
+
+def mask_fits(mask: Tensor | None, b: int, sk: int) -> bool:
+    """Whether the kernel takes this mask: None, or bool broadcastable to [b, 1, 1, sk] (one mask
+    per row, megatron's convention: True = masked)."""
+    return mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, b)
+                            and mask.shape[1:3] == (1, 1) and mask.shape[3] in (1, sk))
+
+
+def kernel_mask_and_prefix(mask: Tensor | None, b: int, sk: int, prefix_rows: Tensor | None, prefix_len: int):
+    """A fitting mask and the shared-prompt reads as the kernel takes them (here and in
+    megarl._cpu.decode_layer): (masked [b, sk] bool view or None, prefix_rows int64 CPU [b] or None,
+    prefix_len). The prefix reads are dropped (None, 0) where they do not apply to these rows."""
     masked = None if mask is None else mask.expand(b, 1, 1, sk)[:, 0, 0, :]  # [b, sk], a view
     if prefix_rows is None or not 0 < prefix_len <= sk or prefix_rows.shape != (b,):
-        return op(query[:, :, 0], key, value, masked, scale).unsqueeze(2)
-    return op(query[:, :, 0], key, value, masked, scale, prefix_rows.to("cpu", torch.long).contiguous(),
-              prefix_len).unsqueeze(2)
+        return masked, None, 0
+    return masked, prefix_rows.to("cpu", torch.long).contiguous(), prefix_len

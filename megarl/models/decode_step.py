@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from megarl.models import cpu_kernels
 from megarl.models.cpu_gemm import LAYER_KERNEL_ROWS, plain_linear
+from megarl.models.decode_attention import kernel_mask_and_prefix, mask_fits
 from megarl.models.layout import unwrap
 
 
@@ -234,10 +235,9 @@ def _native_serves(h, mask, ctx) -> bool:
     """Whether this step's inputs are what megarl._cpu.decode_layer takes: fp32 CPU hidden states
     of LAYER_KERNEL_ROWS rows (where the layers' linears run the kernel) and a bool mask
     broadcastable to [A, 1, 1, sk] (or none); anything else takes the torch operations."""
-    A, sk = h.shape[1], ctx.sequence_len_offset + 1
+    A = h.shape[1]
     return (h.dtype == torch.float32 and h.device.type == "cpu" and LAYER_KERNEL_ROWS[0] <= A <= LAYER_KERNEL_ROWS[1]
-            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, A)
-                                  and mask.shape[1:3] == (1, 1) and mask.shape[3] in (1, sk))))
+            and mask_fits(mask, A, ctx.sequence_len_offset + 1))
 
 
 def _native_layers_step(plan: DecodePlan, h, mask, freqs, ctx):
@@ -248,12 +248,8 @@ def _native_layers_step(plan: DecodePlan, h, mask, freqs, ctx):
     d = plan.native[0]["head_dim"]
     half = freqs[start, 0, 0, : d // 2]  # this step's angles (every row at the cache offset), as apply_rope takes
     cos, sin = torch.cos(half).float().contiguous(), torch.sin(half).float().contiguous()
-    masked = None if mask is None else mask.expand(A, 1, 1, end)[:, 0, 0, :]  # [A, end], True = not attended
-    prefix_rows, prefix_len = (getattr(ctx, "prefix_rows", None) if b0 == 0 else None), getattr(ctx, "prefix_len", 0)
-    if prefix_rows is None or not 0 < prefix_len <= end or prefix_rows.shape != (A,):
-        prefix_rows, prefix_len = None, 0
-    else:
-        prefix_rows = prefix_rows.to("cpu", torch.long).contiguous()
+    masked, prefix_rows, prefix_len = kernel_mask_and_prefix(  # as models/attention.py hands them to the kernel
+        mask, A, end, getattr(ctx, "prefix_rows", None) if b0 == 0 else None, getattr(ctx, "prefix_len", 0))
     x = h.reshape(A, H).contiguous()  # [A, H]
     for p in plan.native:
         k_cache, v_cache = ctx.key_value_memory_dict[p["number"]]  # [B, g, S, d] each (models/attention.py)
