@@ -6,7 +6,7 @@
                                   [--micro-batch 8] [--beta 0.04] [--old-logprobs rollout|recompute]
                                   [--no-trl] [--profile] [--workload default|realistic]
                                   [--precision fp32|bf16] [--cpu-half-gemm native|fp32]
-                                  [--packing on|off] [--mean-len 200]
+                                  [--packing on|off] [--share-prompts on|off] [--mean-len 200]
 
 One random Llama is built with transformers (default init, seeded) and saved with a 32k-word
 WordLevel tokenizer (ids are words "w<id>"; its chat template renders the bare prompt, so both
@@ -40,6 +40,10 @@ each one's phase breakdown: megarl's `perf/<phase>_s`; TRL's from timers wrapped
 `_generate`, `_get_per_token_logps_and_entropies` (reference), `_calculate_rewards` and
 `_generate_and_score_completions` (train = the rest of the step).
 --profile prints torch.profiler's top ops for one more megarl step.
+megarl runs with rl.packing and rl.share_prompts (rows of a micro-batch in one sequence, a
+prompt's samples holding it once); --packing off / --share-prompts off compare without them.
+The GEMM floor of the necessary work counts the prompt once per prompt in generation, scoring
+and training, and is printed as well with the prompt once per sample in scoring and training.
 """
 import argparse
 import json
@@ -155,6 +159,7 @@ def build_megarl(args, model_dir: str, prompts_file: str, work: str):
         f"rl.kl_coef={args.beta}", "rl.kl_in=loss", "rl.kl_estimator=k3", "rl.clip_low=0.2", "rl.clip_high=0.2",
         "rl.loss_agg=token-mean", f"rl.reward_fn={os.path.abspath(__file__)}:reward",
         f"rl.old_logprobs={args.old_logprobs}", f"rl.packing={str(args.packing == 'on').lower()}",
+        f"rl.share_prompts={str(args.share_prompts == 'on').lower()}",
         "optim.lr=1e-6", "optim.weight_decay=0.0", "optim.clip_grad=1.0", "lr_schedule.style=constant",
         f"train.precision={args.precision}", f"train.cpu_half_gemm={getattr(args, 'cpu_half_gemm', 'native')}",
         "train.seed=1", f"train.run_dir={work}", "tracking.backend=none",
@@ -192,13 +197,15 @@ def megarl_step(stage, step: int) -> dict:
 # The GEMM floor of the work a step needs
 
 
-def necessary_flops(args, prompt_len: float, response_len: float) -> dict:
+def necessary_flops(args, prompt_len: float, response_len: float, shared: bool = True) -> dict:
     """GEMM FLOPs of the work one GRPO step needs, per (linear, GEMM kind), at the step's mean
     prompt and response lengths (linear layers' FLOPs are linear in the token count): the prompt
     prefilled once per prompt (not per sample), one decode step per response token (every
-    layer + the LM head), the reference's forward and the actor's forward + backward over
-    prompt + response, the LM head only on the response columns; no padding. Old log-probs come
-    from the rollout (--old-logprobs rollout), so the actor scores nothing."""
+    layer + the LM head), the reference's forward and the actor's forward + backward over the
+    prompt once per prompt (its samples share it: rl.share_prompts) + each response, the LM
+    head only on the response columns; no padding. Old log-probs come from the rollout
+    (--old-logprobs rollout), so the actor scores nothing. shared=False: the prompt once per
+    sample in scoring and training, as the floor counted it before rl.share_prompts."""
     from bench_gemm_floor import linears
 
     rows = args.prompts * args.samples
@@ -206,7 +213,7 @@ def necessary_flops(args, prompt_len: float, response_len: float) -> dict:
     for name, n, k in linears(args):
         per_token = 2 * n * k * (1 if name == "lm head" else args.layers)
         gen = (args.prompts * prompt_len + rows * response_len) if name != "lm head" else rows * response_len
-        tok = rows * (response_len if name == "lm head" else prompt_len + response_len)
+        tok = rows * response_len + (0 if name == "lm head" else (args.prompts if shared else rows) * prompt_len)
         flops[(name, "decode fwd")] = per_token * gen
         flops[(name, "fwd")] = per_token * tok * 2  # reference scoring + training forward
         flops[(name, "dgrad")] = per_token * tok
@@ -281,10 +288,10 @@ def decode_seconds(args, reps: int = 3) -> dict:
     return seconds
 
 
-def phase_floors(args, rates: dict, prompt_len: float, response_len: float) -> dict:
+def phase_floors(args, rates: dict, prompt_len: float, response_len: float, shared: bool = True) -> dict:
     """`necessary_flops` at `rates` as CPU-s per phase: generate (decode fwd), score_reference
     (one forward), train_actor (a forward, the input and the weight gradients) and the step."""
-    flops = necessary_flops(args, prompt_len, response_len)
+    flops = necessary_flops(args, prompt_len, response_len, shared)
     secs = {key: v / 1e9 / rates[key] for key, v in flops.items()}
     gen = sum(v for (_, kind), v in secs.items() if kind == "decode fwd")
     fwd = sum(v for (_, kind), v in secs.items() if kind == "fwd") / 2  # the reference's half
@@ -488,7 +495,7 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s
           f"{f' (megarl train.cpu_half_gemm={args.cpu_half_gemm})' if args.precision != 'fp32' else ''}, 1 PPO epoch, 1 optimizer step "
           f"of {rows // args.micro_batch} micro-batches x {args.micro_batch}, beta {args.beta}, "
           f"{args.threads} thread(s), 1 warm-up + {args.steps} timed steps each, interleaved; megarl "
-          f"rl.packing={args.packing == 'on'}\n")
+          f"rl.packing={args.packing == 'on'}, rl.share_prompts={args.share_prompts == 'on'}\n")
     print("| framework | best s/step (wall) | median s/step (wall) | best CPU-s/step | median CPU-s/step "
           "| mean response length |")
     print("|---|---|---|---|---|---|")
@@ -525,6 +532,10 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s
               f"(target <= 1.25x)"
               + (f"; TRL {trl['cpu_mean'] / floor:.2f}x (its mean response {trl['response_len']:.0f} tokens)"
                  if trl is not None else ""))
+        unshared = phase_floors(args, rates, mg["prompt_len"], mg["response_len"], shared=False)["step"]
+        print(f"\nThe floor counting the prompt once per sample in scoring and training (as before "
+              f"rl.share_prompts): {unshared:.2f} CPU-s per step; megarl {mg['cpu_mean'] / unshared:.2f}x"
+              + (f", TRL {trl['cpu_mean'] / unshared:.2f}x" if trl is not None else ""))
         per_step = [r["cpu"] / phase_floors(args, rates, r["prompt_len"], r["response_len"])["step"]
                     for r in mg["steps"]]
         print(f"\nmegarl per step against the floor at that step's own lengths: "
@@ -581,9 +592,10 @@ def main() -> None:
                     help="realistic: prompts 40..200 tokens, EOS-ended long-tailed responses up to 1024, "
                          "vocab 151936 at hidden 256 (set before other options apply)")
     ap.add_argument("--mean-len", type=int, default=200, help="realistic: target mean response length")
-    ap.add_argument("--packing", choices=("on", "off"), default=None,
-                    help="megarl's rl.packing (rows of a micro-batch in one sequence, no padding); "
-                         "default: on for the realistic workload (ragged rows), off for the default one")
+    ap.add_argument("--packing", choices=("on", "off"), default="on",
+                    help="megarl's rl.packing (rows of a micro-batch in one sequence, no padding)")
+    ap.add_argument("--share-prompts", choices=("on", "off"), default="on",
+                    help="megarl's rl.share_prompts (with packing: a prompt's samples share its tokens)")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="both frameworks' training precision (bf16: the same on both sides)")
     ap.add_argument("--cpu-half-gemm", choices=("native", "fp32"), default="native",
@@ -599,8 +611,6 @@ def main() -> None:
     if args.steps < 1:
         ap.error("--steps must be >= 1 (timed steps after the warm-up)")
     args.prompt_min = 40 if args.workload == "realistic" else args.prompt_len
-    if args.packing is None:
-        args.packing = "on" if args.workload == "realistic" else "off"
     if args.trl_worker:
         return trl_worker(args)
     if args.quick:

@@ -95,15 +95,15 @@ def rl_stage_steps(overrides, run_dir, steps=2, prepare=None):
 
 def assert_same_figures(got, ref, name, *, clip_tol, rel=1e-5, abs_=1e-6):
     """Per-step figures of a layout against the reference run's: every key, within fp32 rounding;
-    a clip indicator may flip on a token at the boundary (clip_tol); padding waste is a property
-    of each rank's micro-batches."""
+    a clip indicator may flip on a token at the boundary (clip_tol); padding waste and the tokens
+    shared prompts save are properties of each rank's micro-batches."""
     import pytest
 
     assert len(got) == len(ref), name
     for a, b in zip(got, ref):
         assert a.keys() == b.keys(), name
         for k in b:
-            if k == "train/padding_waste":
+            if k in ("train/padding_waste", "train/shared_prompt_fraction"):
                 continue
             tol = dict(abs=clip_tol) if "clip_fraction" in k else dict(rel=rel, abs=abs_)
             assert a[k] == pytest.approx(b[k], **tol), (name, k, a[k], b[k])

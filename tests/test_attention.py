@@ -107,10 +107,30 @@ def test_packed_rows_are_read_once_per_micro_batch_and_give_each_row_its_positio
     lens = torch.randint(1, 9, (5,), generator=torch.Generator().manual_seed(4)).tolist()
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
-    offsets, positions = _packed_rows(packed, torch.device("cpu"))
-    assert offsets == cu.tolist()
+    offsets, positions, prefix_of = _packed_rows(packed, torch.device("cpu"))
+    assert offsets == cu.tolist() and prefix_of is None
     assert positions.tolist() == [p for n in lens for p in range(n)]
     again = _packed_rows(packed, torch.device("cpu"))
     assert again[0] is offsets and again[1] is positions  # cached on the micro-batch's params
     packed.cu_seqlens_q = cu.flip(0).cumsum(0).to(torch.int32)  # another micro-batch's offsets
     assert _packed_rows(packed, torch.device("cpu"))[0] == packed.cu_seqlens_q.tolist()
+
+
+def test_segments_that_continue_a_prefix_take_their_positions_after_it():
+    """packed_rows_params' prefix_of: a prompt segment and responses continuing it. Their
+    positions follow the prompt's, a segment's prefix must be earlier and continue none, and
+    copying the params to a device (dataclasses.replace) keeps prefix_of."""
+    import dataclasses
+
+    from megarl.models.attention import _packed_rows, packed_rows_params
+
+    params = packed_rows_params([3, 2, 4, 5, 1], [-1, 0, 0, -1, 3])
+    offsets, positions, prefix_of = _packed_rows(params, torch.device("cpu"))
+    assert offsets == [0, 3, 5, 9, 14, 15] and prefix_of == [-1, 0, 0, -1, 3]
+    assert positions.tolist() == [0, 1, 2, 3, 4, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5]
+    assert params.max_seqlen_q == 7
+    assert dataclasses.replace(params).prefix_of.tolist() == [-1, 0, 0, -1, 3]
+    assert type(packed_rows_params([3, 2])).__name__ == "PackedSeqParams"  # no prefix: megatron's own
+    for bad in ([-1, 1], [-1, 0, 1], [0, -1]):
+        with pytest.raises(ValueError, match="prefix_of must name an earlier segment"):
+            packed_rows_params([2] * len(bad), bad)

@@ -270,6 +270,10 @@ class RLConfig:
     # no padding; needs megarl's attention on the local layer spec (no TE, no sequence parallel).
     # Pays on CPU; on an H100 it made the actor's scoring and training 3-4x slower (benchmarks.md)
     packing: bool = False
+    # with packing: the samples of a prompt share it, once per micro-batch, as the prefix their
+    # responses attend to: the prompt's tokens go through the layers once per micro-batch, not
+    # once per sample (exact within fp32 rounding; rows of a prompt stay in one micro-batch)
+    share_prompts: bool = True
     # updates
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch and trained role

@@ -26,6 +26,7 @@ so in one line for them.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -100,16 +101,55 @@ def _rows_packed(packed) -> bool:
     return packed.qkv_format == "sbhd" and packed.cu_seqlens_q is not None
 
 
-def _packed_rows(packed, device: torch.device) -> tuple[list[int], Tensor]:
-    """The row offsets (host ints) and each token's position in its row ([T] on `device`) of a
-    packed micro-batch, computed by its first layer and kept on the PackedSeqParams for the
-    others: one host read of the offsets per forward, not one per layer."""
+@functools.cache
+def _prefix_params_class():
+    """PackedSeqParams with `prefix_of` ([segments] int32 tensor): segment j continues segment
+    prefix_of[j] (-1: none), i.e. its positions follow that segment's and its tokens attend to
+    it. A dataclass field, so that copies of the params (to a device) keep it."""
+    from dataclasses import dataclass
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    @dataclass
+    class PrefixPackedSeqParams(PackedSeqParams):
+        prefix_of: Tensor = None
+
+    return PrefixPackedSeqParams
+
+
+def packed_rows_params(lengths: list[int], prefix_of: list[int] | None = None):
+    """The PackedSeqParams of segments of `lengths` tokens packed into one [T] sequence, for this
+    module's attention: each segment attends causally within itself, and, where prefix_of[j] = p
+    >= 0, to all of segment p before it (p itself continues no segment). This is how the samples
+    of a prompt share it: one segment holds the prompt, one per sample its response."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    seen = [(n + (lengths[p] if p >= 0 else 0)) for n, p in zip(lengths, prefix_of or [-1] * len(lengths))]
+    kw = dict(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(seen, default=0),
+              max_seqlen_kv=max(seen, default=0))
+    if not prefix_of or all(p < 0 for p in prefix_of):
+        return PackedSeqParams(**kw)
+    if len(prefix_of) != len(lengths) or any(p >= 0 and (p >= j or prefix_of[p] >= 0) for j, p in enumerate(prefix_of)):
+        raise ValueError(f"prefix_of must name an earlier segment that continues none, got {prefix_of}")
+    return _prefix_params_class()(**kw, prefix_of=torch.tensor(prefix_of, dtype=torch.int32))
+
+
+def _packed_rows(packed, device: torch.device) -> tuple[list[int], Tensor, list[int] | None]:
+    """The segment offsets (host ints), each token's position ([T] on `device`) and each
+    segment's prefix segment (host ints, or None) of a packed micro-batch, computed by its first
+    layer and kept on the PackedSeqParams for the others: one host read per forward, not one per
+    layer."""
     rows = getattr(packed, "_megarl_rows", None)
     if rows is None or rows[0] is not packed.cu_seqlens_q or rows[2].device != device:
         cu = packed.cu_seqlens_q.tolist()
-        positions = torch.cat([torch.arange(e - s) for s, e in zip(cu, cu[1:])]).to(device)
-        rows = packed._megarl_rows = (packed.cu_seqlens_q, cu, positions)
-    return rows[1], rows[2]
+        prefix_of = getattr(packed, "prefix_of", None)
+        prefix_of = None if prefix_of is None else prefix_of.tolist()
+        starts = [0 if prefix_of is None or prefix_of[j] < 0 else cu[prefix_of[j] + 1] - cu[prefix_of[j]]
+                  for j in range(len(cu) - 1)]
+        positions = torch.cat([torch.arange(a, a + e - s) for a, s, e in zip(starts, cu, cu[1:])]).to(device)
+        rows = packed._megarl_rows = (packed.cu_seqlens_q, cu, positions, prefix_of)
+    return rows[1], rows[2], rows[3]
 
 
 @functools.cache
@@ -182,21 +222,33 @@ def self_attention_class():
             return out.permute(2, 0, 1, 3).reshape(sq, b, n * d)
 
         def _packed_attention(self, query, key, value, freqs, packed):
-            """Rows packed into one sequence ([T, 1, n, d]; row i is cu[i]:cu[i+1]): RoPE at each
-            row's own positions and causal attention within each row, so every row computes what
-            it would alone, without padding."""
+            """Rows packed into one sequence ([T, 1, n, d]; segment j is cu[j]:cu[j+1]): RoPE at
+            each segment's own positions and causal attention within each segment, after all of
+            its prefix segment where it has one (a sample's response after its shared prompt),
+            so every row computes what it would alone, without padding or a repeated prompt."""
             core = self.core_attention
             if type(core).__name__ != "DotProductAttention" or (self.training and core.attention_dropout.p > 0):
                 raise NotImplementedError("packed rows need megarl's SDPA attention (the local layer spec, "
                                           "no attention dropout); use rl.packing=false")
-            cu, positions = _packed_rows(packed, query.device)
+            cu, positions, prefix_of = _packed_rows(packed, query.device)
             if freqs is not None:
                 query = apply_rope(query, freqs[positions])
                 key = apply_rope(key, freqs[positions])
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [1, n|g, T, d]
             scale = self._softmax_scale(q.shape[-1])
-            out = torch.cat([sdpa(q[:, :, s_:e], k[:, :, s_:e], v[:, :, s_:e], None, causal=e - s_ > 1, scale=scale)
-                             for s_, e in zip(cu, cu[1:])], dim=2)  # [1, n, T, d]
+            outs = []
+            for j, (s_, e) in enumerate(zip(cu, cu[1:])):
+                p = -1 if prefix_of is None else prefix_of[j]
+                if p < 0:
+                    outs.append(sdpa(q[:, :, s_:e], k[:, :, s_:e], v[:, :, s_:e], None, causal=e - s_ > 1, scale=scale))
+                    continue
+                ps_, pe = cu[p], cu[p + 1]  # the prefix: every query sees all of it, then its own past
+                keys = torch.cat([k[:, :, ps_:pe], k[:, :, s_:e]], dim=2)
+                values = torch.cat([v[:, :, ps_:pe], v[:, :, s_:e]], dim=2)
+                mask = torch.ones(e - s_, e - s_, dtype=torch.bool, device=q.device).triu_(1)
+                mask = torch.cat([mask.new_zeros(e - s_, pe - ps_), mask], dim=1)  # True = masked
+                outs.append(sdpa(q[:, :, s_:e], keys, values, mask, causal=False, scale=scale))
+            out = torch.cat(outs, dim=2)  # [1, n, T, d]
             T, b, n, d = query.shape
             return out.permute(2, 0, 1, 3).reshape(T, b, n * d)
 

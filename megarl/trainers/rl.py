@@ -18,7 +18,6 @@ are frozen and rebuilt from where they came from on resume (trainers/weights.py)
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from dataclasses import dataclass, fields, replace
@@ -70,33 +69,77 @@ class Experience:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
 
-    def packed_microbatch(self, rows: list[int], hidden: bool = False) -> dict:
+    def prompt_ids(self) -> list[int]:
+        """Per row, the index of the first row with the same prompt (length and tokens): rows
+        with equal ids are samples of one prompt. Computed once per Experience (rows() and cat()
+        make new ones)."""
+        if getattr(self, "_prompt_ids", None) is None:
+            first: dict = {}
+            self._prompt_ids = [first.setdefault((int(p), self.tokens[i, :int(p)].numpy().tobytes()), i)
+                                for i, p in enumerate(self.prompt_lens)]
+        return self._prompt_ids
+
+    def packed_microbatch(self, rows: list[int], hidden: bool = False, share_prompts: bool = False) -> dict:
         """Rows `rows` concatenated into one [1, T] sequence, no padding: positions restart and
         attention stays within each row (models/attention.py), and the head runs on the rows'
         response columns only (`output_index`, [T']). Per-token fields are [b, W], row k's
         columns first_k.. at 0..; the model's [1, T'] outputs come back in that layout through
-        `unpack` (see per_row)."""
-        from megatron.core.packed_seq_params import PackedSeqParams
+        `unpack` (see per_row).
+
+        share_prompts: the rows of one prompt hold it once, as a segment that each of their
+        responses continues (`packed_rows_params`' prefix_of): the prompt's tokens go through
+        the layers once, not once per sample, and its last hidden state predicts every sample's
+        first token (output_index repeats it; its gradient is the sum over the samples)."""
+        from megarl.models.attention import packed_rows_params
 
         lens = [self.lengths[i] for i in rows]
-        firsts = [int(self.prompt_lens[i]) - 1 for i in rows]  # column predicting the first response token
+        plens = [int(self.prompt_lens[i]) for i in rows]
+        firsts = [p - 1 for p in plens]  # column predicting the first response token
         widths = [n - f for n, f in zip(lens, firsts)]
-        starts = list(itertools.accumulate([0, *lens]))
-        cu = torch.tensor(starts, dtype=torch.int32)
         row_of = torch.cat([torch.full((w,), k) for k, w in enumerate(widths)])  # [T']
         col_of = torch.cat([torch.arange(w) for w in widths])
+        ids = self.prompt_ids() if share_prompts else list(range(len(self.lengths)))
+        groups: dict = {}  # prompt id -> positions k in rows, in order
+        for k, i in enumerate(rows):
+            groups.setdefault(ids[i], []).append(k)
+        pieces, seg_lens, prefix_of, positions = [], [], [], []
+        index = [None] * len(rows)  # row k's head columns in the sequence
+        t = 0
+        for members in groups.values():
+            if len(members) == 1:  # the whole row as one segment
+                (k,) = members
+                i, n, f = rows[k], lens[k], firsts[k]
+                pieces.append(self.tokens[i, :n])
+                positions.append(torch.arange(n))
+                index[k] = torch.arange(t + f, t + n)
+                seg_lens.append(n)
+                prefix_of.append(-1)
+                t += n
+                continue
+            p, prompt_seg = plens[members[0]], len(seg_lens)
+            pieces.append(self.tokens[rows[members[0]], :p])
+            positions.append(torch.arange(p))
+            seg_lens.append(p)
+            prefix_of.append(-1)
+            prompt_last, t = t + p - 1, t + p
+            for k in members:
+                i, n = rows[k], lens[k]
+                index[k] = torch.cat([torch.tensor([prompt_last]), torch.arange(t, t + n - p)])
+                if n > p:  # a response continuing the prompt segment
+                    pieces.append(self.tokens[i, p:n])
+                    positions.append(torch.arange(p, n))
+                    seg_lens.append(n - p)
+                    prefix_of.append(prompt_seg)
+                    t += n - p
 
-        def field(t):  # [N, L] -> [b, W], each row's columns first.. left-aligned
-            out = t.new_zeros(len(rows), max(widths))
+        def field(x):  # [N, L] -> [b, W], each row's columns first.. left-aligned
+            out = x.new_zeros(len(rows), max(widths))
             for k, (i, f, w) in enumerate(zip(rows, firsts, widths)):
-                out[k, :w] = t[i, f:f + w]
+                out[k, :w] = x[i, f:f + w]
             return out
 
-        mb = {"tokens": torch.cat([self.tokens[i, :n] for i, n in zip(rows, lens)])[None],
-              "position_ids": torch.cat([torch.arange(n) for n in lens])[None], "attention_mask": None,
-              "packed_seq_params": PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                                   max_seqlen_q=max(lens), max_seqlen_kv=max(lens)),
-              "output_index": torch.cat([torch.arange(s + f, s + n) for s, f, n in zip(starts, firsts, lens)]),
+        mb = {"tokens": torch.cat(pieces)[None], "position_ids": torch.cat(positions)[None], "attention_mask": None,
+              "packed_seq_params": packed_rows_params(seg_lens, prefix_of), "output_index": torch.cat(index),
               "return_hidden": hidden, "unpack": (row_of, col_of), "columns": list(zip(firsts, widths)),
               "labels": field(self.labels), "mask": field(self.mask)}
         for name in ("old_logp", "ref_logp", "values", "advantages", "returns"):
@@ -211,10 +254,21 @@ def per_row(batch: dict, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def packed_tokens(exp: Experience, rows: list[int], share_prompts: bool) -> int:
+    """Tokens in the packed sequence of `rows` (Experience.packed_microbatch)."""
+    if not share_prompts:
+        return sum(exp.lengths[i] for i in rows)
+    ids, seen, total = exp.prompt_ids(), set(), 0
+    for i in rows:
+        total += exp.lengths[i] - (int(exp.prompt_lens[i]) if ids[i] in seen else 0)
+        seen.add(ids[i])
+    return total
+
+
 def collect_per_token(role: Role, exp: Experience, groups: list[list[int]], fn, hidden: bool = False,
-                      packed: bool = False) -> torch.Tensor:
+                      packed: bool = False, share_prompts: bool = False) -> torch.Tensor:
     """A [N, L] fp32 tensor from `fn(batch, output) -> [b, s]` over every micro-batch (forward only)."""
-    mbs = [exp.packed_microbatch(g, hidden) if packed else exp.microbatch(g, hidden) for g in groups]
+    mbs = [exp.packed_microbatch(g, hidden, share_prompts) if packed else exp.microbatch(g, hidden) for g in groups]
     out = torch.zeros(exp.tokens.shape, dtype=torch.float32)
     for g, mb, part in zip(groups, mbs, role.forward_collect(mbs, lambda b, o: fn(b, o).float().cpu())):
         if packed:  # row k's columns first.. sit at part[pos, :width]
@@ -378,8 +432,9 @@ class RLStage(Stage):
                 _add(pairs, "reward/accuracy", (rule > 0).double().sum(), len(rule))
         if "reward" in self.all_roles:
             with clock.phase("score_reward"):
-                values = collect_per_token(self.all_roles["reward"], exp, self._plan(exp.lengths),
-                                           lambda b, o: per_row(b, o.squeeze(-1)), packed=r.packing)
+                values = collect_per_token(self.all_roles["reward"], exp, self._plan(exp),
+                                           lambda b, o: per_row(b, o.squeeze(-1)), packed=r.packing,
+                                           share_prompts=r.share_prompts)
             rm = A.sequence_reward(values, exp.prompt_lens, torch.tensor(exp.lengths) - 1,
                                    getattr(self.all_roles["reward"], "reward_pooling", "last"))
             scores += r.reward_model_coef * rm
@@ -430,29 +485,37 @@ class RLStage(Stage):
         """Old log-probs (recomputed or the rollout's), reference log-probs, values; returns the
         micro-batch plan of these rows."""
         r = self.cfg.rl
-        groups = self._plan(exp.lengths)
+        groups = self._plan(exp)
         logprobs = _token_logprobs(self.cfg.model.vocab_size, r.temperature, chunk_buffer=self.chunk_buffer)
-        fused, packed = r.fused_head, r.packing
+        fused, packed, share = r.fused_head, r.packing, r.share_prompts
         if r.old_logprobs == "rollout":  # the sampled distribution's own log-probs
             exp.old_logp = exp.rollout_logp
         else:
             with clock.phase("score_actor"):
                 exp.old_logp = collect_per_token(self.actor, exp, groups, lambda b, o: logprobs(b, o)[0], fused,
-                                                 packed)
+                                                 packed, share)
         if "reference" in self.all_roles:
             with clock.phase("score_reference"):
                 exp.ref_logp = collect_per_token(self.all_roles["reference"], exp, groups,
-                                                 lambda b, o: logprobs(b, o)[0], fused, packed)
+                                                 lambda b, o: logprobs(b, o)[0], fused, packed, share)
         if "critic" in self.all_roles:
             with clock.phase("score_critic"):
                 exp.values = collect_per_token(self.all_roles["critic"], exp, groups,
-                                               lambda b, o: per_row(b, o.squeeze(-1)), packed=packed)
+                                               lambda b, o: per_row(b, o.squeeze(-1)), packed=packed,
+                                               share_prompts=share)
         return groups
 
-    def _plan(self, lengths: list[int]) -> list[list[int]]:
+    def _plan(self, exp: Experience, rows: list[int] | None = None) -> list[list[int]]:
+        """Micro-batches of exp's rows `rows` (default all), as lists of row indices."""
         r = self.cfg.rl
-        return plan_microbatches(lengths, max_rows=r.micro_batch_size, max_tokens=r.max_tokens_per_micro_batch,
-                                 packed=r.packing)
+        rows = list(range(len(exp.lengths))) if rows is None else rows
+        prompts = None
+        if r.packing and r.share_prompts:
+            ids = exp.prompt_ids()
+            prompts = [(ids[i], int(exp.prompt_lens[i])) for i in rows]
+        plan = plan_microbatches([exp.lengths[i] for i in rows], max_rows=r.micro_batch_size,
+                                 max_tokens=r.max_tokens_per_micro_batch, packed=r.packing, prompts=prompts)
+        return [[rows[j] for j in g] for g in plan]
 
     # 3. advantages ----------------------------------------------------------------------------
 
@@ -484,6 +547,9 @@ class RLStage(Stage):
             bad = not (bool(torch.isfinite(exp.scores).all()) and bool(torch.isfinite(exp.advantages).all()))
         waste = 0.0 if r.packing else padding_waste(exp.lengths, groups)  # packed rows carry no padding
         metrics.update(dp_means({"train/padding_waste": (waste * len(groups), len(groups))}))
+        # the share of the rows' tokens that shared prompts leave out of the layers (in scoring)
+        saved = sum(exp.lengths) - sum(packed_tokens(exp, g, r.packing and r.share_prompts) for g in groups)
+        metrics.update(dp_means({"train/shared_prompt_fraction": (float(saved), float(sum(exp.lengths)))}))
         metrics["finite"] = dp_max(float(bad)) == 0
         return metrics
 
@@ -566,9 +632,9 @@ class RLStage(Stage):
         for epoch in range(r.ppo_epochs):
             assignment = minibatch_rows(n, self.dp_rank * n, r.mini_batches, (self.cfg.train.seed, step, epoch))
             for k, rows in enumerate(assignment):
-                plan = self._plan([exp.lengths[i] for i in rows])
-                make = exp.packed_microbatch if r.packing else exp.microbatch
-                mbs = [make([rows[i] for i in grp], hidden) for grp in plan]
+                plan = self._plan(exp, rows)
+                mbs = [exp.packed_microbatch(grp, hidden, r.share_prompts) if r.packing else exp.microbatch(grp, hidden)
+                       for grp in plan]
                 result = role.train_step(mbs, loss_fn, skip_nonfinite=True)
                 skipped += int(result.skipped)
                 for key, v in {**result.metrics, "grad_norm": result.grad_norm, "lr": result.lr}.items():
