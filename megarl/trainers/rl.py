@@ -98,10 +98,10 @@ class Experience:
         widths = [n - f for n, f in zip(lens, firsts)]
         row_of = torch.cat([torch.full((w,), k) for k, w in enumerate(widths)])  # [T']
         col_of = torch.cat([torch.arange(w) for w in widths])
-        ids = self.prompt_ids() if share_prompts else list(range(len(self.lengths)))
-        groups: dict = {}  # prompt id -> positions k in rows, in order
+        ids = self.prompt_ids() if share_prompts else None
+        groups: dict = {}  # prompt id (row index when not sharing) -> positions k in rows, in order
         for k, i in enumerate(rows):
-            groups.setdefault(ids[i], []).append(k)
+            groups.setdefault(i if ids is None else ids[i], []).append(k)
         pieces, seg_lens, prefix_of, positions = [], [], [], []
         index = [None] * len(rows)  # row k's head columns in the sequence
         t = 0
