@@ -2,7 +2,7 @@
 their GEMMs run by oneDNN or by MKL, the LM head's at few rows on its stored [out, in] memory
 (megarl._cpu's kernel at 1-32 rows; without it, MKL at 2-4 rows with oneDNN) or not, and
 megatron-core's stored [out, in] with MKL. megarl's default on CPU (models/decode_layout.py and
-cpu_gemm.py) is the [in, out] memory, the head's kernel, and oneDNN on an AMD CPU, MKL elsewhere;
+cpu_gemm.py) is the [in, out] memory, the head's kernel, and oneDNN on an AMD CPU with AVX-512, MKL elsewhere;
 the summary compares this machine's default with the others. With --score, also the step's
 reference scoring with the forward-only linears through oneDNN and through MKL.
 
@@ -75,7 +75,7 @@ def main():
             r = engine.generate(batch["prompt_ids"], params, seed=1)
             return time.perf_counter() - t0, time.process_time() - c0, r
 
-        variants = {"[in, out], oneDNN; the head at few rows on [out, in] (megarl's default on an AMD CPU)":
+        variants = {"[in, out], oneDNN; the head at few rows on [out, in] (megarl's default on an AMD CPU with AVX-512)":
                         (True, True, True),
                     "[in, out], oneDNN": (True, True, False),
                     "[in, out], MKL; the head at few rows on [out, in] (megarl's default elsewhere)": (True, False, True),
@@ -105,7 +105,7 @@ def main():
               f"| {statistics.median(cpu[name]):.2f} | {statistics.median(decode[name]):.2f} |")
     names = list(variants)
     mine = names[0] if cpu_gemm.onednn_pays() else names[2]  # megarl's default on this CPU
-    print(f"\nmegarl's default on this CPU ({'AMD: oneDNN' if mine == names[0] else 'not AMD: MKL'}): {mine}")
+    print(f"\nmegarl's default on this CPU ({'oneDNN pays' if mine == names[0] else 'MKL'}): {mine}")
     for name in names:
         if name == mine:
             continue
@@ -131,7 +131,7 @@ def score_ab(stage, reps):
 
     exp, _ = stage.generate(0, PhaseClock(stage.phases))
     reference = stage.all_roles["reference"]
-    variants = {"oneDNN (megarl's default on an AMD CPU)": True, "MKL (megarl's default elsewhere)": False}
+    variants = {"oneDNN (megarl's default on an AMD CPU with AVX-512)": True, "MKL (megarl's default elsewhere)": False}
     default = reference.onednn_linears
 
     def score(flag):

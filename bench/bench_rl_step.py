@@ -159,7 +159,7 @@ def build_megarl(args, model_dir: str, prompts_file: str, work: str):
         f"rl.kl_coef={args.beta}", "rl.kl_in=loss", "rl.kl_estimator=k3", "rl.clip_low=0.2", "rl.clip_high=0.2",
         "rl.loss_agg=token-mean", f"rl.reward_fn={os.path.abspath(__file__)}:reward",
         f"rl.old_logprobs={args.old_logprobs}", f"rl.packing={str(args.packing == 'on').lower()}",
-        f"rl.share_prompts={str(args.share_prompts == 'on').lower()}",
+        f"rl.share_prompts={str(getattr(args, 'share_prompts', 'on') == 'on').lower()}",  # the CLI's default
         "optim.lr=1e-6", "optim.weight_decay=0.0", "optim.clip_grad=1.0", "lr_schedule.style=constant",
         f"train.precision={args.precision}", f"train.cpu_half_gemm={getattr(args, 'cpu_half_gemm', 'native')}",
         "train.seed=1", f"train.run_dir={work}", "tracking.backend=none",

@@ -59,7 +59,10 @@ def cpu_extension():
 
     sources = [os.path.relpath(os.path.join(HERE, name), ROOT) for name in CPU_SOURCES]
     ext = CppExtension(name="megarl._cpu", sources=sources, include_dirs=[HERE],
-                       extra_compile_args=["-O3", "-fopenmp-simd"])
+                       # -fno-trapping-math: without it GCC leaves the AVX2 clones' loops with a
+                       # comparison or a float->int conversion scalar (it may if-convert them only
+                       # under AVX-512's masks); the results are the same, exceptions are not read
+                       extra_compile_args=["-O3", "-fopenmp-simd", "-fno-trapping-math"])
     ext.optional = True  # setuptools' build_ext warns and goes on when an optional extension fails
     return ext
 

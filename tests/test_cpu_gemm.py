@@ -345,18 +345,20 @@ def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel,
     assert len(calls) == (2 if kernel else 6)  # megatron's path: 33 rows and the narrow weight (+ 1-32 without the kernel)
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n", True),
-    ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n", False),
-    ("processor\t: 0\nCPU implementer\t: 0x41\n", False),  # an Arm CPU: no vendor_id line
+@pytest.mark.parametrize("text,onednn,layers", [
+    ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu avx2 avx512f avx512dq\n"
+     "processor\t: 1\nflags\t\t: fpu\n", True, True),  # Zen 4; only the first flags line counts
+    ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu avx2 fma\n", False, True),  # Zen 3
+    ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nflags\t\t: avx2 avx512f\n", False, False),
+    ("processor\t: 0\nCPU implementer\t: 0x41\n", False, False),  # an Arm CPU: no vendor_id line
 ])
-def test_onednn_and_the_layers_kernel_route_only_on_an_amd_cpu(tmp_path, text, expected):
+def test_onednn_and_the_layers_kernel_route_only_on_an_amd_cpu(tmp_path, text, onednn, layers):
     from megarl.models.cpu_gemm import layer_kernel_pays
 
     info = tmp_path / "cpuinfo"
     info.write_text(text)
-    assert onednn_pays(str(info)) == (expected and onednn_available())
-    assert layer_kernel_pays(str(info)) == expected
+    assert onednn_pays(str(info)) == (onednn and onednn_available())
+    assert layer_kernel_pays(str(info)) == layers
     assert onednn_pays(str(tmp_path / "missing")) is False and layer_kernel_pays(str(tmp_path / "missing")) is False
 
 

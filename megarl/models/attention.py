@@ -234,20 +234,24 @@ def self_attention_class():
             if freqs is not None:
                 query = apply_rope(query, freqs[positions])
                 key = apply_rope(key, freqs[positions])
-            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [1, n|g, T, d]
-            scale = self._softmax_scale(q.shape[-1])
+            # [1, n|g, T, d], split into the segments' views: split's backward is one cat of
+            # their gradients, where a slice per segment would each fill a [1, n, T, d] zero
+            # gradient and add it up (O(segments x T) memory traffic a layer)
+            sizes = [e - s_ for s_, e in zip(cu, cu[1:])]
+            qs, ks, vs = (x.permute(1, 2, 0, 3).split(sizes, dim=2) for x in (query, key, value))
+            scale = self._softmax_scale(query.shape[-1])
             outs = []
             for j, (s_, e) in enumerate(zip(cu, cu[1:])):
                 p = -1 if prefix_of is None else prefix_of[j]
                 if p < 0:
-                    outs.append(sdpa(q[:, :, s_:e], k[:, :, s_:e], v[:, :, s_:e], None, causal=e - s_ > 1, scale=scale))
+                    outs.append(sdpa(qs[j], ks[j], vs[j], None, causal=e - s_ > 1, scale=scale))
                     continue
                 ps_, pe = cu[p], cu[p + 1]  # the prefix: every query sees all of it, then its own past
-                keys = torch.cat([k[:, :, ps_:pe], k[:, :, s_:e]], dim=2)
-                values = torch.cat([v[:, :, ps_:pe], v[:, :, s_:e]], dim=2)
-                mask = torch.ones(e - s_, e - s_, dtype=torch.bool, device=q.device).triu_(1)
+                keys = torch.cat([ks[p], ks[j]], dim=2)
+                values = torch.cat([vs[p], vs[j]], dim=2)
+                mask = torch.ones(e - s_, e - s_, dtype=torch.bool, device=query.device).triu_(1)
                 mask = torch.cat([mask.new_zeros(e - s_, pe - ps_), mask], dim=1)  # True = masked
-                outs.append(sdpa(q[:, :, s_:e], keys, values, mask, causal=False, scale=scale))
+                outs.append(sdpa(qs[j], keys, values, mask, causal=False, scale=scale))
             out = torch.cat(outs, dim=2)  # [1, n, T, d]
             T, b, n, d = query.shape
             return out.permute(2, 0, 1, 3).reshape(T, b, n * d)

@@ -12,7 +12,8 @@ at 64 rows: 22 against 32 ms; at 1 row MKL's matrix-vector product wins), and 0.
 scoring sizes (thousands of rows, the stored [out, in] memory). On an Intel Xeon with AMX it is
 the other way round: MKL on the [in, out] memory took 0.25-0.8x of oneDNN's time at 2-64 rows
 and 0.9-1.0x at 1,280. So `cpu_linears(chunks)` routes the local GEMM of every megatron-core
-linear through oneDNN for a block only where `onednn_pays()` (an AMD CPU), where it has >= 2
+linear through oneDNN for a block only where `onednn_pays()` (an AMD CPU with AVX-512; on
+an AMD EPYC without it, Zen 3, oneDNN was 1.02-1.05x slower), where it has >= 2
 rows, fp32 CPU operands, no autograd and no sequence-parallel gather; everything else takes
 megatron-core's own path (MKL). Training keeps megatron's autograd function (its backward,
 gradient accumulation fusion and main_grad).
@@ -190,30 +191,42 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-@functools.cache
 def _cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str | None:
     """The `vendor_id` of /proc/cpuinfo (AuthenticAMD, GenuineIntel), or None (another
     architecture, an unreadable file)."""
+    return _cpuinfo(cpuinfo)[0]
+
+
+@functools.cache
+def _cpuinfo(cpuinfo: str = "/proc/cpuinfo") -> tuple[str | None, frozenset]:
+    """(`vendor_id`, the first `flags` line's flags) of /proc/cpuinfo; (None, empty) where
+    unreadable, an architecture without those lines gives what it has."""
+    vendor, flags = None, frozenset()
     try:
         with open(cpuinfo) as f:
             for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
+                if line.startswith("vendor_id") and vendor is None:
+                    vendor = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return None
+    return vendor, flags
 
 
 def onednn_pays(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether no-grad fp32 linears should leave MKL for oneDNN on this machine: on an AMD CPU.
+    """Whether no-grad fp32 linears should leave MKL for oneDNN on this machine: on an AMD CPU
+    with AVX-512.
 
-    Measured per linear, fp32, 1 thread (docs/benchmarks.md): on an AMD EPYC (Zen 4) oneDNN took
-    0.7-1.0x of MKL's time at decode sizes (2-64 rows) and 0.8-1.0x at scoring sizes; on an Intel
-    Xeon with AMX, MKL on the weights' [in, out] memory took 0.25-0.8x of oneDNN's time at 2-64
-    rows (oneDNN's per-call cost dominates at few rows) and 0.9-1.0x at 1,280 rows. MKL is Intel's
-    library, so elsewhere (Intel, other architectures, an unreadable `cpuinfo`) torch's own path
-    stays."""
-    return _cpu_vendor(cpuinfo) == "AuthenticAMD" and onednn_available()
+    Measured per linear, fp32, 1 thread (docs/benchmarks.md): on an AMD EPYC (Zen 4, AVX-512)
+    oneDNN took 0.7-1.0x of MKL's time at decode sizes (2-64 rows) and 0.8-1.0x at scoring sizes;
+    on an AMD EPYC without AVX-512 (Zen 3) the default shape's rollout took 1.02-1.05x of MKL's
+    time with oneDNN and its scoring the same; on an Intel Xeon with AMX, MKL on the weights' [in,
+    out] memory took 0.25-0.8x of oneDNN's time at 2-64 rows (oneDNN's per-call cost dominates at
+    few rows) and 0.9-1.0x at 1,280 rows. MKL is Intel's library, so elsewhere (Intel, AMD
+    without AVX-512, other architectures, an unreadable `cpuinfo`) torch's own path stays."""
+    vendor, flags = _cpuinfo(cpuinfo)
+    return vendor == "AuthenticAMD" and "avx512f" in flags and onednn_available()
 
 
 def layer_kernel_pays(cpuinfo: str = "/proc/cpuinfo") -> bool:

@@ -52,7 +52,7 @@ class Role:
         self.name, self.model_cfg, self.head, self.precision = name, model_cfg, head, precision
         self.cpu_half_gemm = cpu_half_gemm  # train.cpu_half_gemm: how half GEMMs run on a CPU
         self.half_gemms_fp32 = fp32_for_half(cpu_half_gemm, device())
-        self.onednn_linears = onednn_pays()  # fp32 forward-only linears on an AMD CPU through oneDNN (models/cpu_gemm.py)
+        self.onednn_linears = onednn_pays()  # fp32 no-grad linears through oneDNN where it pays (models/cpu_gemm.py)
         self.parallel = parallel
         self.optimizer = self.scheduler = None
         self.accumulating = False  # gradients of a step are in the buffers, not yet applied

@@ -118,8 +118,9 @@ class MegatronRolloutEngine(RolloutEngine):
             call (models/decode_layout.py: 1.1-2x faster decode GEMMs; one more copy of those
             weights while generating). No effect on GPU or for bf16 weights.
         onednn_linears: on CPU, fp32 linears of 2+ rows run through oneDNN's inner product instead
-            of MKL's sgemm during the call; default: on an AMD CPU (`cpu_gemm.onednn_pays()`:
-            0.7-1.0x the GEMM time at decode sizes on an AMD EPYC, 1.3-4x on an Intel Xeon).
+            of MKL's sgemm during the call; default: on an AMD CPU with AVX-512 (`cpu_gemm.onednn_pays()`:
+            0.7-1.0x the GEMM time at decode sizes on an AMD EPYC Zen 4, 1.02-1.05x on a Zen 3 without
+            AVX-512, 1.3-4x on an Intel Xeon).
             Either way the LM head's GEMM at 1-32 rows runs megarl._cpu's kernel on its stored
             [out, in] tensor when in_major_weights kept it and the kernel runs here
             (models/cpu_gemm.py). No effect on GPU or for bf16 weights.
