@@ -296,17 +296,20 @@ def _wide_kernel():
 
 @pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("kernel", ["megarl", None])
-def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel, monkeypatch):
+@pytest.mark.parametrize("kernel,avx512", [("megarl", True), ("megarl", False), (None, True)])
+def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel, avx512, monkeypatch):
     """The LM head at few rows reads the [out, in] tensor generation kept: megarl._cpu's
-    wide_linear at 1-32 rows (where built and the CPU has AVX-512), MKL's (W @ x.T).T at 2-4 rows
-    without the kernel; at more rows, without that tensor, or on a narrower weight it runs oneDNN;
-    every result equal to float64."""
+    wide_linear at 1-32 rows where built and the CPU has AVX-512, at 2-32 where it has AVX2 only
+    (1 row: megatron's path, MKL's matrix-vector product), MKL's (W @ x.T).T at 2-4 rows without
+    the kernel; at more rows, without that tensor, or on a narrower weight it runs oneDNN; every
+    result equal to float64."""
     from megarl.models import cpu_gemm, cpu_kernels
 
     real = _wide_kernel()
     if kernel and real is None:
-        pytest.skip("megarl._cpu.wide_linear needs the built extension and an AVX-512 CPU")
+        pytest.skip("megarl._cpu.wide_linear needs the built extension and an AVX-512 or AVX2 CPU")
+    # the row range follows /proc/cpuinfo's flags; the kernel itself picks its AVX-512 or AVX2 form
+    monkeypatch.setattr(cpu_gemm, "_cpuinfo", lambda *a: ("AuthenticAMD", frozenset({"avx512f"} if avx512 else {"avx2"})))
     kernel_calls = []
     monkeypatch.setattr(cpu_kernels, "wide_linear",
                         lambda: (lambda x, w: kernel_calls.append(x.shape[0]) or real(x, w)) if kernel else None)
@@ -329,26 +332,29 @@ def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel,
             "megarl" if len(kernel_calls) > before else "")
 
     if kernel:
-        assert [libraries(r, w, bias) for r in (1, 2, 3, 4, 5, 8, 32, 33)] == ["megarl"] * 7 + ["oneDNN"]
-        assert kernel_calls == [1, 2, 3, 4, 5, 8, 32]
+        one = "megarl" if avx512 else "MKL"  # 1 row without AVX-512: megatron's path
+        assert [libraries(r, w, bias) for r in (1, 2, 3, 4, 5, 8, 32, 33)] == [one] + ["megarl"] * 6 + ["oneDNN"]
+        assert kernel_calls == ([1] if avx512 else []) + [2, 3, 4, 5, 8, 32]
     else:
         assert [libraries(r, w, bias) for r in (2, 3, 4, 5, 8)] == ["MKL"] * 3 + ["oneDNN"] * 2
     assert libraries(3, narrow) == "oneDNN"  # not wide: oneDNN wins there
     assert libraries(3, w, bias, _cpu_forward_impl(_fake_megatron_impl(calls))) == "oneDNN"  # no [out, in] kept
-    assert calls == []
+    first = 0 if (avx512 or not kernel) else 1  # megatron's path so far: the 1-row call without AVX-512
+    assert len(calls) == first
     # without oneDNN (an Intel CPU): the kernel where it runs, megatron's own path (MKL) for the rest
     no_onednn = _cpu_forward_impl(_fake_megatron_impl(calls), {id(w): stored, id(narrow): narrow.data}, onednn=False)
     rows = (1, 2, 3, 32, 33)
     assert [libraries(r, w, bias, no_onednn) for r in rows] == (
-        ["megarl"] * 4 + ["MKL"] if kernel else ["MKL"] * 5)
+        [one] + ["megarl"] * 3 + ["MKL"] if kernel else ["MKL"] * 5)
     assert libraries(3, narrow, None, no_onednn) == "MKL"
-    assert len(calls) == (2 if kernel else 6)  # megatron's path: 33 rows and the narrow weight (+ 1-32 without the kernel)
+    # megatron's path: 33 rows and the narrow weight (+ 1-32 without the kernel, + 1 row without AVX-512)
+    assert len(calls) == first + (2 if kernel else 6) + (0 if avx512 or not kernel else 1)
 
 
 @pytest.mark.parametrize("text,onednn,layers", [
     ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu avx2 avx512f avx512dq\n"
      "processor\t: 1\nflags\t\t: fpu\n", True, True),  # Zen 4; only the first flags line counts
-    ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu avx2 fma\n", False, True),  # Zen 3
+    ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu avx2 fma\n", False, False),  # Zen 3
     ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nflags\t\t: avx2 avx512f\n", False, False),
     ("processor\t: 0\nCPU implementer\t: 0x41\n", False, False),  # an Arm CPU: no vendor_id line
 ])
@@ -375,7 +381,7 @@ def test_a_layer_s_weight_at_decode_rows_runs_the_kernel_with_layer_kernel(onedn
         pytest.skip("torch built without oneDNN")
     real = _wide_kernel()
     if real is None:
-        pytest.skip("megarl._cpu.wide_linear needs the built extension and an AVX-512 CPU")
+        pytest.skip("megarl._cpu.wide_linear needs the built extension and an AVX-512 or AVX2 CPU")
     kernel_calls = []
     monkeypatch.setattr(cpu_kernels, "wide_linear", lambda: lambda x, w: kernel_calls.append(x.shape[0]) or real(x, w))
     g = torch.Generator().manual_seed(12)
@@ -408,7 +414,7 @@ def test_a_layer_s_weight_at_decode_rows_runs_the_kernel_with_layer_kernel(onedn
     assert len(calls) == (1 if onednn else 5)
 
 
-@pytest.mark.skipif(_wide_kernel() is None, reason="megarl._cpu.wide_linear needs the built extension and AVX-512")
+@pytest.mark.skipif(_wide_kernel() is None, reason="megarl._cpu.wide_linear needs the built extension and AVX-512 or AVX2")
 @pytest.mark.parametrize("rows,out,h", [(1, 1001, 256), (3, 4096, 40), (4, 517, 250), (7, 2050, 512), (24, 333, 16),
                                         (13, 64, 7)])
 def test_wide_linear_equals_a_float64_product(rows, out, h):
@@ -423,7 +429,7 @@ def test_wide_linear_equals_a_float64_product(rows, out, h):
     assert float((y.double() - ref).abs().max()) < 2e-6 * h ** 0.5 * 8, float((y.double() - ref).abs().max())
 
 
-@pytest.mark.skipif(_wide_kernel() is None, reason="megarl._cpu.wide_linear needs the built extension and AVX-512")
+@pytest.mark.skipif(_wide_kernel() is None, reason="megarl._cpu.wide_linear needs the built extension and AVX-512 or AVX2")
 @pytest.mark.parametrize("h", [256, 40])
 def test_wide_linear_gives_a_row_the_same_bits_whatever_rows_come_with_it(h):
     """At 1-4 rows the kernel reads the weight's rows in turn, from 5 rows on side by side; each
@@ -438,7 +444,7 @@ def test_wide_linear_gives_a_row_the_same_bits_whatever_rows_come_with_it(h):
             assert torch.equal(kernel(x[r0:r0 + rows], w), alone[r0:r0 + rows]), (rows, r0)
 
 
-@pytest.mark.skipif(_wide_kernel() is None, reason="megarl._cpu.wide_linear needs the built extension and AVX-512")
+@pytest.mark.skipif(_wide_kernel() is None, reason="megarl._cpu.wide_linear needs the built extension and AVX-512 or AVX2")
 def test_wide_linear_bad_inputs_raise_one_line_errors():
     op = _wide_kernel()
     x, w = torch.randn(2, 32), torch.randn(8, 32)

@@ -17,7 +17,7 @@ def _op():
     return None if cpu_kernels.wide_linear() is None else cpu_kernels.load().decode_layer
 
 
-needs_op = pytest.mark.skipif(_op() is None, reason="megarl._cpu.decode_layer needs the built extension and AVX-512")
+needs_op = pytest.mark.skipif(_op() is None, reason="megarl._cpu.decode_layer needs the built extension and AVX-512 or AVX2")
 
 
 def _case(A=5, H=48, g=2, n=4, d=16, F=40, S=12, start=9, qk_norm=True, bias=True, seed=0):

@@ -20,7 +20,8 @@ gradient accumulation fusion and main_grad).
 
 The LM head at few rows is a different GEMM: a wide weight (>= OUT_MAJOR_MIN_OUT outputs, a
 vocabulary shard) read whole for a handful of rows, bound by memory. From 1 to 32 rows, where
-the CPU has AVX-512 and megarl._cpu is built, it runs megarl's own kernel on the [out, in]
+the CPU has AVX-512 and megarl._cpu is built (from 2 rows where it has AVX2 + FMA only: the
+kernel's AVX2 form, WIDE_KERNEL_ROWS_AVX2), it runs megarl's own kernel on the [out, in]
 tensor generation kept (`out_major`, from models/decode_layout.py; csrc/cpu_wide_linear.cpp:
 the weight streamed once with a prefetch ahead), on any vendor; that tensor is moved to huge
 pages on first use (runtime/huge_pages.py; docs/benchmarks.md). At the 152k x 256 head it took
@@ -184,6 +185,10 @@ ONEDNN_MIN_ROWS = 2  # below this MKL's matrix-vector product is faster than one
 OUT_MAJOR_MAX_ROWS = 4  # without the kernel, up to this many rows a wide weight's GEMM reads its [out, in] memory
 OUT_MAJOR_MIN_OUT = 16384  # "wide": an LM head (a vocabulary shard), not a layer's linear
 WIDE_KERNEL_ROWS = (1, 32)  # megarl._cpu.wide_linear's rows on the wide weights (module docstring)
+# ... on a CPU without AVX-512 (its AVX2 form): at 1 row MKL's matrix-vector product on the [in, out]
+# memory took 7.1 ms at 152k x 256 on an AMD Zen 3 against the kernel's 10.8 (2-4 rows: 11.5-13.5
+# against MKL's 14.6-22.4), so 1 row stays with MKL there
+WIDE_KERNEL_ROWS_AVX2 = (2, 32)
 LAYER_KERNEL_ROWS = (1, 64)  # and on the other weights of out_major, with layer_kernel (layer_kernel_pays)
 
 
@@ -231,13 +236,16 @@ def onednn_pays(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 def layer_kernel_pays(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether, while generating, the layers' linears (not only the wide LM head) run
-    megarl._cpu's kernel at LAYER_KERNEL_ROWS rows on their [out, in] tensors: on an AMD CPU.
+    megarl._cpu's kernel at LAYER_KERNEL_ROWS rows on their [out, in] tensors: on an AMD CPU with
+    AVX-512.
 
     On an AMD EPYC (Zen 4), 1 thread, with the LM head's weight read between calls as a decode
     step reads it: 0.31-0.61x of oneDNN's time at 1-32 rows for a hidden-256 layer's four linears,
     0.43-0.88x at 1-64 rows at hidden 512 (docs/benchmarks.md). Not measured on an Intel CPU,
-    where the layers keep MKL on their [in, out] memory."""
-    return _cpu_vendor(cpuinfo) == "AuthenticAMD"
+    where the layers keep MKL on their [in, out] memory, nor on an AMD CPU without AVX-512 (the
+    kernel's AVX2 form was measured on the LM head only), where they keep the library's GEMM."""
+    vendor, flags = _cpuinfo(cpuinfo)
+    return vendor == "AuthenticAMD" and "avx512f" in flags
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -257,6 +265,7 @@ def _cpu_forward_impl(megatron_impl, out_major=None, onednn: bool = True, layer_
     else (module docstring). `plain=True` (models/decode_step.py, no autograd, no sequence
     parallelism) runs megatron's maths there without its autograd Function."""
     kernel = cpu_kernels.wide_linear() if out_major else None  # megarl._cpu.wide_linear, or None
+    wide_rows = WIDE_KERNEL_ROWS if "avx512f" in _cpuinfo()[1] else WIDE_KERNEL_ROWS_AVX2
 
     def megatron(input, weight, bias, sequence_parallel, plain, kwargs):
         if plain:
@@ -270,7 +279,7 @@ def _cpu_forward_impl(megatron_impl, out_major=None, onednn: bool = True, layer_
             return megatron(input, weight, bias, sequence_parallel, plain, kwargs)
         stored = out_major.get(id(weight)) if out_major else None  # [out, in] memory, or None
         wide = stored is not None and weight.shape[0] >= OUT_MAJOR_MIN_OUT
-        lo, hi = WIDE_KERNEL_ROWS if wide else LAYER_KERNEL_ROWS
+        lo, hi = wide_rows if wide else LAYER_KERNEL_ROWS
         use_kernel = (kernel is not None and (wide or (layer_kernel and stored is not None)) and lo <= rows <= hi
                       and stored.is_contiguous())
         if not use_kernel and (rows < ONEDNN_MIN_ROWS or not onednn):

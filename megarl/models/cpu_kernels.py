@@ -38,6 +38,6 @@ def load():
 
 
 def wide_linear():
-    """megarl._cpu.wide_linear where this CPU runs it (AVX-512), else None."""
+    """megarl._cpu.wide_linear where this CPU runs it (AVX-512, or AVX2 + FMA), else None."""
     module = load()
     return module.wide_linear if module is not None and module.wide_linear_supported() else None

@@ -146,8 +146,8 @@ def _eps(norm) -> float:
 
 def _native_layers(gpt, out_major: dict) -> list | None:
     """Per layer, megarl._cpu.decode_layer's arguments that stay fixed for a generate call, or None
-    where it does not serve (no kernel build or no AVX-512, a weight not fp32 on the CPU or not
-    kept in [out, in] memory, a norm without weight). `_why_not` has accepted the model."""
+    where it does not serve (no kernel build or neither AVX-512 nor AVX2, a weight not fp32 on the
+    CPU or not kept in [out, in] memory, a norm without weight). `_why_not` has accepted the model."""
     module = cpu_kernels.load()
     if module is None or cpu_kernels.wide_linear() is None:
         return None
