@@ -196,16 +196,11 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str | None:
-    """The `vendor_id` of /proc/cpuinfo (AuthenticAMD, GenuineIntel), or None (another
-    architecture, an unreadable file)."""
-    return _cpuinfo(cpuinfo)[0]
-
-
 @functools.cache
 def _cpuinfo(cpuinfo: str = "/proc/cpuinfo") -> tuple[str | None, frozenset]:
-    """(`vendor_id`, the first `flags` line's flags) of /proc/cpuinfo; (None, empty) where
-    unreadable, an architecture without those lines gives what it has."""
+    """(`vendor_id` (AuthenticAMD, GenuineIntel), the first `flags` line's flags) of
+    /proc/cpuinfo; None and no flags where a line is missing (another architecture) or the file
+    unreadable."""
     vendor, flags = None, frozenset()
     try:
         with open(cpuinfo) as f:
