@@ -1,6 +1,7 @@
 // Python bindings of megarl._cpu (pybind11, as megarl._C's): a failed argument check raises a
-// RuntimeError naming the op.
-#include <torch/extension.h>
+// RuntimeError naming the op. torch's pybind11 casters (Tensor, optional) without the rest of
+// <torch/extension.h>, which would add ~30 s to this file's compile.
+#include <torch/csrc/utils/pybind.h>
 
 #include "cpu_ops.h"
 

@@ -15,8 +15,6 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/extension.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>

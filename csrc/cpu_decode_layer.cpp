@@ -18,8 +18,6 @@
 #include "cpu_common.h"
 #include "cpu_ops.h"
 
-#include <torch/extension.h>
-
 #include <cmath>
 #include <cstdint>
 #include <string>

@@ -1,7 +1,8 @@
 // megarl._cpu's entry points (csrc/cpu_*.cpp), declared once: cpu_bindings.cpp binds them, and
 // cpu_decode_layer.cpp calls decode_attention and wide_linear.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 #include <cstdint>
 #include <tuple>

@@ -11,8 +11,6 @@
 #include "cpu_common.h"
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
-
 #include <cmath>
 #include <cstdint>
 #include <limits>
