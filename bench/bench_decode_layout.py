@@ -68,6 +68,8 @@ def main():
 
         def rollout(flags):
             engine.in_major_weights, engine.onednn_linears = flags[:2]
+            # the layers' linears at decode rows through the kernel too, each layer one decode_layer call
+            engine.layer_kernel = len(flags) > 3 and flags[3]
             # the LM head at few rows on [out, in]: megarl._cpu's kernel at 1-32 rows, else MKL at 2-4
             cpu_gemm.OUT_MAJOR_MAX_ROWS = head_rows if flags[2] else 0
             cpu_kernels.wide_linear = wide_kernel if flags[2] else (lambda: None)
@@ -75,8 +77,11 @@ def main():
             r = engine.generate(batch["prompt_ids"], params, seed=1)
             return time.perf_counter() - t0, time.process_time() - c0, r
 
-        variants = {"[in, out], oneDNN; the head at few rows on [out, in] (megarl's default on an AMD CPU with AVX-512)":
-                        (True, True, True),
+        variants = {"[in, out], oneDNN; the head and the layers at few rows on [out, in], each layer one "
+                    "decode_layer call (megarl's default on an AMD CPU with AVX-512)": (True, True, True, True),
+                    "[in, out], MKL; the head and the layers at few rows on [out, in], each layer one "
+                    "decode_layer call": (True, False, True, True),
+                    "[in, out], oneDNN; the head at few rows on [out, in]": (True, True, True),
                     "[in, out], oneDNN": (True, True, False),
                     "[in, out], MKL; the head at few rows on [out, in] (megarl's default elsewhere)": (True, False, True),
                     "[in, out], MKL": (True, False, False),
@@ -104,8 +109,8 @@ def main():
         print(f"| {name} | {min(wall[name]):.2f} | {statistics.median(wall[name]):.2f} | {min(cpu[name]):.2f} "
               f"| {statistics.median(cpu[name]):.2f} | {statistics.median(decode[name]):.2f} |")
     names = list(variants)
-    mine = names[0] if cpu_gemm.onednn_pays() else names[2]  # megarl's default on this CPU
-    print(f"\nmegarl's default on this CPU ({'oneDNN pays' if mine == names[0] else 'MKL'}): {mine}")
+    mine = names[0 if cpu_gemm.onednn_pays() else 1 if cpu_gemm.layer_kernel_pays() else 4]  # the default here
+    print(f"\nmegarl's default on this CPU: {mine}")
     for name in names:
         if name == mine:
             continue

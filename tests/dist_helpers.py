@@ -6,6 +6,7 @@ Usage in a test:
         return something_picklable
     results = run_distributed(_body, 2, x)   # list indexed by rank
 """
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -14,6 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Imported once by the fork server of a pytest process; each worker forks from it with them loaded
+# (~0.1 s a run on 2 cores) instead of importing torch, megatron-core and megarl anew (~5 s).
+FORKSERVER_PRELOAD = ["megarl.trainers.rl", "megarl.trainers.sft", "megarl.trainers.reward_model",
+                      "megarl.trainers.pipeline", "dist_helpers"]
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -21,7 +27,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, fn, world_size, port, outdir, args, init_pg):
+def _worker(rank, fn, world_size, port, outdir, args, init_pg, env):
+    os.environ.clear()  # the caller's environment now (a monkeypatched variable included), not the fork server's
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -40,12 +48,17 @@ def _worker(rank, fn, world_size, port, outdir, args, init_pg):
 def run_distributed(fn, world_size, *args, init_process_group=True):
     """Spawn `world_size` processes running fn(rank, world_size, *args); return results by rank.
 
-    A failure on any rank raises here with that rank's traceback.
+    A failure on any rank raises here with that rank's traceback. Workers start from a fork
+    server (FORKSERVER_PRELOAD) where there is one, else by spawn: either way a fresh interpreter
+    state with none of this process's changes but its environment, working directory and sys.path.
     """
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts
     with tempfile.TemporaryDirectory() as outdir:
         mp.start_processes(
-            _worker, args=(fn, world_size, free_port(), outdir, args, init_process_group),
-            nprocs=world_size, join=True, start_method="spawn",
+            _worker, args=(fn, world_size, free_port(), outdir, args, init_process_group, dict(os.environ)),
+            nprocs=world_size, join=True, start_method=method,
         )
         return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 

@@ -354,7 +354,8 @@ def test_a_wide_weight_at_few_rows_reads_its_out_major_tensor(with_bias, kernel,
 @pytest.mark.parametrize("text,onednn,layers", [
     ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu avx2 avx512f avx512dq\n"
      "processor\t: 1\nflags\t\t: fpu\n", True, True),  # Zen 4; only the first flags line counts
-    ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu avx2 fma\n", False, False),  # Zen 3
+    ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu avx2 fma\n", False, True),  # Zen 3
+    ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nflags\t\t: fpu avx\n", False, False),  # no AVX2
     ("processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nflags\t\t: avx2 avx512f\n", False, False),
     ("processor\t: 0\nCPU implementer\t: 0x41\n", False, False),  # an Arm CPU: no vendor_id line
 ])

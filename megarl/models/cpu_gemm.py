@@ -36,13 +36,15 @@ runs MKL's `(W @ x.T).T` on the [out, in] tensor (0.5-0.85x of oneDNN's time on 
 on the Xeon, which does not route).
 
 The layers' linears at a decode step's rows run the same kernel on their [out, in] tensors where
-`layer_kernel_pays()` (an AMD CPU): at 1-64 rows (LAYER_KERNEL_ROWS), above that oneDNN. A decode
+`layer_kernel_pays()` (an AMD CPU with AVX-512 or AVX2 + FMA): at 1-64 rows (LAYER_KERNEL_ROWS),
+above that oneDNN where it is routed, else MKL. A decode
 step reads the LM head's weight between two layers' GEMMs, so each layer's weights come back from
 memory, not from cache; the kernel streams them with its prefetch. On the EPYC, with the head read
 in between as in generation, the four linears of a hidden-256 layer took 0.31-0.61x of oneDNN's
 time at 1-32 rows, of a hidden-512 layer 0.43-0.88x at 1-64 rows; the realistic workload's generate
-phase 0.83-0.94x, the default shape's 0.93-0.96x (docs/benchmarks.md). Not measured on an Intel
-CPU, where the layers keep MKL.
+phase 0.83-0.94x, the default shape's 0.93-0.96x; on a Zen 3 (the kernel's AVX2 form, against
+MKL) the realistic rollout 0.85-0.87x, the default shape's 0.83-0.91x (docs/benchmarks.md). Not
+measured on an Intel CPU, where the layers keep MKL.
 
 A half-precision GEMM on a CPU multiplies half inputs, accumulates in fp32 and rounds the result
 to half once. The product of two bf16 (or fp16) numbers is exact in fp32 (8 + 8 or 11 + 11
@@ -231,16 +233,17 @@ def onednn_pays(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 def layer_kernel_pays(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether, while generating, the layers' linears (not only the wide LM head) run
-    megarl._cpu's kernel at LAYER_KERNEL_ROWS rows on their [out, in] tensors: on an AMD CPU with
-    AVX-512.
+    megarl._cpu's kernel at LAYER_KERNEL_ROWS rows on their [out, in] tensors (and a decode step's
+    layers each run as one `decode_layer` call): on an AMD CPU with AVX-512 or with AVX2 + FMA.
 
-    On an AMD EPYC (Zen 4), 1 thread, with the LM head's weight read between calls as a decode
-    step reads it: 0.31-0.61x of oneDNN's time at 1-32 rows for a hidden-256 layer's four linears,
-    0.43-0.88x at 1-64 rows at hidden 512 (docs/benchmarks.md). Not measured on an Intel CPU,
-    where the layers keep MKL on their [in, out] memory, nor on an AMD CPU without AVX-512 (the
-    kernel's AVX2 form was measured on the LM head only), where they keep the library's GEMM."""
+    On an AMD EPYC Zen 4, 1 thread, with the LM head's weight read between calls as a decode step
+    reads it: 0.31-0.61x of oneDNN's time at 1-32 rows for a hidden-256 layer's four linears,
+    0.43-0.88x at 1-64 rows at hidden 512. On a Zen 3 (AVX2 only) the realistic rollout took
+    0.85-0.87x of its CPU time with them, the default-shape rollout 0.83-0.91x
+    (docs/benchmarks.md). Not measured on an Intel CPU, where the layers keep MKL on their
+    [in, out] memory."""
     vendor, flags = _cpuinfo(cpuinfo)
-    return vendor == "AuthenticAMD" and "avx512f" in flags
+    return vendor == "AuthenticAMD" and ("avx512f" in flags or {"avx2", "fma"} <= flags)
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

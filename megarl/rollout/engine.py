@@ -126,7 +126,8 @@ class MegatronRolloutEngine(RolloutEngine):
             (models/cpu_gemm.py). No effect on GPU or for bf16 weights.
         layer_kernel: on CPU, the layers' fp32 linears at 1-64 rows (decode steps) run that kernel
             on their [out, in] tensors too, when in_major_weights kept them; default: on an AMD CPU
-            (`cpu_gemm.layer_kernel_pays()`: 0.3-0.9x of oneDNN's time there, not measured on Intel).
+            with AVX-512 or AVX2 + FMA (`cpu_gemm.layer_kernel_pays()`: 0.3-0.9x of oneDNN's time
+            on a Zen 4, the rollout 0.83-0.91x of MKL's on a Zen 3; not measured on Intel).
         cpu_half_gemm: how bf16/fp16 GEMMs run on CPU (train.cpu_half_gemm, models/cpu_gemm.py);
             default: the role's setting, else "native" (torch's half kernels).
         decode_fast_path: decode steps at PP 1 run models/decode_step.py (the same operations on the
