@@ -1,9 +1,11 @@
 """CPU benchmark: one RL step's rollout with the linears' weights read in [in, out] memory and
 their GEMMs run by oneDNN or by MKL, the LM head's at few rows on its stored [out, in] memory
-(megarl._cpu's kernel at 1-32 rows; without it, MKL at 2-4 rows with oneDNN) or not, and
+(megarl._cpu's kernel at 1-32 rows; without it, MKL at 2-4 rows with oneDNN) or not, the layers'
+linears at decode rows through the same kernel with each layer one `decode_layer` call or not, and
 megatron-core's stored [out, in] with MKL. megarl's default on CPU (models/decode_layout.py and
-cpu_gemm.py) is the [in, out] memory, the head's kernel, and oneDNN on an AMD CPU with AVX-512, MKL elsewhere;
-the summary compares this machine's default with the others. With --score, also the step's
+cpu_gemm.py) is the [in, out] memory and the head's kernel; on an AMD CPU (AVX-512 or AVX2 + FMA)
+the layers' kernel too; oneDNN on an AMD CPU with AVX-512, MKL elsewhere. The summary compares
+this machine's default with the others. With --score, also the step's
 reference scoring with the forward-only linears through oneDNN and through MKL.
 
     python bench/bench_decode_layout.py [--workload realistic|default] [--reps 3] [--threads 1] [--score]
