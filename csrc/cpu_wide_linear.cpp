@@ -238,9 +238,10 @@ inline __attribute__((always_inline)) void block_avx2(const float* x, int64_t h,
 
 // Weight rows [v0, v1) against all R rows of x. At 1-4 rows, bound by reading W, the blocks go
 // in kStreamsAvx2 interleaved streams (block i of each quarter of the range in turn, prefetching
-// kPrefetchRowsStreams rows ahead): one sequential read of W took 9.5-10 ms at 152k x 256 on an
-// AMD Zen 3 (~16 GB/s; a plain AVX2 read 17 GB/s), four reads at once 6.7-8.2 ms (plain: 29 GB/s).
-// The order of the blocks changes no sum. Above 4 rows, where the FMAs take as long as the
+// kPrefetchRowsStreams rows ahead): in a standalone copy on an AMD Zen 3, one sequential read of W
+// took 9.5-10 ms at 152k x 256 (~16 GB/s; a plain AVX2 read 17 GB/s), four reads at once 6.7-8.2
+// ms (plain: 29 GB/s); inside megarl._cpu the gain was within that machine's noise
+// (docs/benchmarks.md, 2026-12-03). The order of the blocks changes no sum. Above 4 rows, where the FMAs take as long as the
 // read, one stream (four were ~8% slower at 8 rows).
 constexpr int64_t kStreamsAvx2 = 4;
 constexpr int64_t kPrefetchRowsStreams = 16;
