@@ -71,7 +71,7 @@ def main():
         def rollout(flags):
             engine.in_major_weights, engine.onednn_linears = flags[:2]
             # the layers' linears at decode rows through the kernel too, each layer one decode_layer call
-            engine.layer_kernel = len(flags) > 3 and flags[3]
+            engine.layer_kernel = flags[3]
             # the LM head at few rows on [out, in]: megarl._cpu's kernel at 1-32 rows, else MKL at 2-4
             cpu_gemm.OUT_MAJOR_MAX_ROWS = head_rows if flags[2] else 0
             cpu_kernels.wide_linear = wide_kernel if flags[2] else (lambda: None)
@@ -79,15 +79,17 @@ def main():
             r = engine.generate(batch["prompt_ids"], params, seed=1)
             return time.perf_counter() - t0, time.process_time() - c0, r
 
+        # (in_major_weights, onednn_linears, the head's kernel, the layers' kernel)
         variants = {"[in, out], oneDNN; the head and the layers at few rows on [out, in], each layer one "
                     "decode_layer call (megarl's default on an AMD CPU with AVX-512)": (True, True, True, True),
                     "[in, out], MKL; the head and the layers at few rows on [out, in], each layer one "
-                    "decode_layer call": (True, False, True, True),
-                    "[in, out], oneDNN; the head at few rows on [out, in]": (True, True, True),
-                    "[in, out], oneDNN": (True, True, False),
-                    "[in, out], MKL; the head at few rows on [out, in] (megarl's default elsewhere)": (True, False, True),
-                    "[in, out], MKL": (True, False, False),
-                    "[out, in] (megatron-core's stored layout), MKL": (False, False, False)}
+                    "decode_layer call (megarl's default on an AMD CPU with AVX2 only)": (True, False, True, True),
+                    "[in, out], oneDNN; the head at few rows on [out, in]": (True, True, True, False),
+                    "[in, out], oneDNN": (True, True, False, False),
+                    "[in, out], MKL; the head at few rows on [out, in] (megarl's default on other CPUs)":
+                        (True, False, True, False),
+                    "[in, out], MKL": (True, False, False, False),
+                    "[out, in] (megatron-core's stored layout), MKL": (False, False, False, False)}
         out = {name: rollout(flag)[2] for name, flag in variants.items()}  # warm-up; the samples compared
         wall = {name: [] for name in variants}
         cpu = {name: [] for name in variants}
@@ -110,10 +112,10 @@ def main():
     for name in variants:
         print(f"| {name} | {min(wall[name]):.2f} | {statistics.median(wall[name]):.2f} | {min(cpu[name]):.2f} "
               f"| {statistics.median(cpu[name]):.2f} | {statistics.median(decode[name]):.2f} |")
-    names = list(variants)
-    mine = names[0 if cpu_gemm.onednn_pays() else 1 if cpu_gemm.layer_kernel_pays() else 4]  # the default here
+    default = (True, cpu_gemm.onednn_pays(), True, cpu_gemm.layer_kernel_pays())  # what the engine picks here
+    mine = next(name for name, flags in variants.items() if flags == default)
     print(f"\nmegarl's default on this CPU: {mine}")
-    for name in names:
+    for name in variants:
         if name == mine:
             continue
         same = sum(x == y for x, y in zip(out[mine].responses(), out[name].responses()))

@@ -6,7 +6,6 @@ Usage in a test:
         return something_picklable
     results = run_distributed(_body, 2, x)   # list indexed by rank
 """
-import multiprocessing
 import os
 import socket
 import tempfile
@@ -52,9 +51,9 @@ def run_distributed(fn, world_size, *args, init_process_group=True):
     server (FORKSERVER_PRELOAD) where there is one, else by spawn: either way a fresh interpreter
     state with none of this process's changes but its environment, working directory and sys.path.
     """
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     if method == "forkserver":
-        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts
+        mp.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the server starts
     with tempfile.TemporaryDirectory() as outdir:
         mp.start_processes(
             _worker, args=(fn, world_size, free_port(), outdir, args, init_process_group, dict(os.environ)),
