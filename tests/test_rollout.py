@@ -440,3 +440,23 @@ def test_two_level_inverse_cdf_never_draws_zero_mass_at_the_edges():
         ids, total = _inverse_cdf(e, u)
         assert (e.gather(1, ids[:, None]) > 0).all(), (hot, ids)
         assert int(ids[1]) == hot and total[0] == 1.0
+
+
+@pytest.mark.parametrize("rows", [[0, 2, 3], [1], [0, 0, 0, 1, 1, 2, 3, 3]])  # finished rows leave / a prompt's row to its samples
+def test_take_cache_rows_moves_the_written_positions(rows):
+    from types import SimpleNamespace
+
+    from megarl.rollout.engine import _take_cache_rows
+
+    g = torch.Generator().manual_seed(7)
+    B, groups, S, d, filled = 4, 2, 9, 3, 5
+    caches = {n: tuple(torch.randn(B, groups, S, d, generator=g) for _ in range(2)) for n in (1, 2)}
+    want = {n: tuple(c[rows, :, :filled].clone() for c in kv) for n, kv in caches.items()}
+    ctx = SimpleNamespace(key_value_memory_dict=dict(caches), max_batch_size=B)
+    _take_cache_rows(ctx, torch.tensor(rows), filled)
+    assert ctx.max_batch_size == len(rows)
+    for n, kv in ctx.key_value_memory_dict.items():
+        for got, ref, old in zip(kv, want[n], caches[n]):
+            assert got.shape == (len(rows), groups, S, d) and got.is_contiguous()
+            assert torch.equal(got[:, :, :filled], ref)
+            assert (got.data_ptr() == old.data_ptr()) == (len(rows) <= B)  # a shrinking cache keeps its memory

@@ -109,10 +109,10 @@ class MegatronRolloutEngine(RolloutEngine):
         max_batch_size: rows per KV cache (micro-batch); the cache is freed after each.
         max_seq_len: longest prompt + response; default the model's max_position_embeddings.
         pp_microbatches: at PP > 1, pipeline micro-batches per step (default: PP size).
-        compact: drop finished rows from the KV cache once a quarter of its rows are done (a
-            copy of the live rows' cache, ~log(rows) / log(4/3) times a batch; on CPU a dead row
-            costs more than its share: MKL's GEMM over the 152k-row LM head is ~2x slower at 4-8
-            rows than at 1-3 or 16).
+        compact: drop finished rows from the KV cache once a quarter of its rows are done (the
+            live rows' written positions move down in place, ~log(rows) / log(4/3) times a
+            batch; on CPU a dead row costs more than its share: MKL's GEMM over the 152k-row LM
+            head is ~2x slower at 4-8 rows than at 1-3 or 16).
         tools: a Toolbox (tools + max calls per sample); needs decode and encode (observation text -> ids).
         in_major_weights: on CPU, fp32 linears read their weights from [in, out] memory during the
             call (models/decode_layout.py: 1.1-2x faster decode GEMMs; one more copy of those
@@ -284,7 +284,7 @@ class MegatronRolloutEngine(RolloutEngine):
                     u = first.to(dev)
                     ids, lps = self._step(step_tokens[u], positions[u], mask[u], ctx, params, seed, sample_ids, t,
                                           expand=expand)  # [B]
-                    _compact_cache(ctx, expand.to(dev))  # [U] -> [B] cache rows: a prompt's keys to its samples
+                    _take_cache_rows(ctx, expand.to(dev), P)  # [U] -> [B] cache rows: a prompt's keys to its samples
                     if self.shared_prompt_reads:  # positions < P: the prompt, the same in every row of a run
                         ctx.prefix_rows, ctx.prefix_len = _run_leaders(expand), P
                 else:
@@ -328,7 +328,7 @@ class MegatronRolloutEngine(RolloutEngine):
                 alive = ~done[active]  # [A]
                 if self.compact and len(active) - int(alive.sum()) >= max(1, (len(active) + 3) // 4):
                     keep = torch.nonzero(alive).flatten()  # finished rows leave the cache: less work per step
-                    _compact_cache(ctx, keep.to(dev))
+                    _take_cache_rows(ctx, keep.to(dev), offset)
                     active, ids, key_pad, pads = active[keep], ids[keep], key_pad[keep.to(dev)], pads[keep.to(dev)]
                     if getattr(ctx, "prefix_rows", None) is not None:
                         ctx.prefix_rows = _run_leaders(expand[active])
@@ -570,12 +570,25 @@ def _prompt_runs(prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(first, dtype=torch.long), torch.tensor(expand, dtype=torch.long)
 
 
-def _compact_cache(ctx, keep):
-    """Keep only cache rows `keep` [A'] (every layer of this stage; every rank drops the same rows).
-    The cache is megarl's attention's (models/attention.py): [B, g, S, d] per layer."""
-    for layer, (k, v) in list(ctx.key_value_memory_dict.items()):
-        ctx.key_value_memory_dict[layer] = (k[keep], v[keep])  # [A', g, S, d] copies; old ones freed
-    ctx.max_batch_size = len(keep)
+def _take_cache_rows(ctx, rows, filled: int):
+    """Row i of every layer's cache (this stage's; every rank takes the same rows) becomes row
+    rows[i] [A'] (ascending: finished rows leave, or a prompt's row goes to each of its samples).
+    Only the first `filled` positions are moved; the rest is unwritten. The cache is megarl's
+    attention's (models/attention.py): [B, g, S, d] per layer. A shrinking cache keeps its memory
+    (rows move down in place, one index_select of the written positions each). Advanced indexing
+    of whole caches into fresh ones (`k[rows]`) took 2-2.7 s of a 13-15 CPU-s realistic rollout on
+    one core (the expand and the first compaction), this 0.02-0.08 s (docs/benchmarks.md). A
+    growing cache is allocated anew."""
+    n = len(rows)
+    for layer, caches in list(ctx.key_value_memory_dict.items()):
+        taken = []
+        for c in caches:  # key, value
+            written = c[:, :, :filled].index_select(0, rows)  # [A', g, filled, d]: a copy, so in place is safe
+            dst = c[:n] if n <= c.shape[0] else c.new_empty((n,) + tuple(c.shape[1:]))
+            dst[:, :, :filled] = written
+            taken.append(dst)
+        ctx.key_value_memory_dict[layer] = tuple(taken)
+    ctx.max_batch_size = n
 
 
 def _cache_bytes(ctx) -> int:
