@@ -269,6 +269,57 @@ def test_a_chunk_buffer_serves_calls_in_turn_but_never_one_with_a_backward_to_co
     assert buf._memory is None
 
 
+def test_token_loss_adds_grad_w_into_main_grad_from_kept_memory():
+    """With a ChunkBuffer and a weight carrying megatron's `main_grad`, grad(W) is computed into
+    memory the buffer keeps and the backward adds it (scaled) to main_grad itself: w.grad stays
+    None, main_grad gets what DDP's hook would have added, and the memory serves the next call.
+    A second forward while the first still holds it gets fresh memory and autograd's path."""
+    x, w, t = make(41, 16, 300, seed=21, vocab_size=290)
+    g = torch.Generator().manual_seed(22)
+    weights = torch.rand(41, generator=g) + 0.5
+
+    def loss_fn(pos, lp, ent):
+        return -(lp * weights[pos]).sum() - 0.1 * (ent * weights[pos]).sum()
+
+    def run(buf, main_grad, scale):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if main_grad is not None:
+            wr.main_grad = main_grad
+        loss, _, _ = linear_token_loss(xr, wr, t, loss_fn, vocab_size=290, chunk_size=8, with_entropy=True,
+                                       chunk_buffer=buf)
+        (loss * scale).backward()
+        return loss, xr.grad, wr.grad
+
+    ref_loss, ref_gx, ref_gw = run(None, None, 0.3)  # autograd's path, fresh memory
+    buf = fused_head.ChunkBuffer()
+    start = torch.randn(300, 16, generator=g)
+    main_grad = start.clone()
+    loss, gx, gw = run(buf, main_grad, 0.3)
+    assert gw is None and buf._grad is not None and buf._grad_owner is None  # handed back
+    assert torch.equal(loss, ref_loss) and torch.equal(gx, ref_gx)
+    assert torch.equal(main_grad, start + ref_gw)  # the same add the hook makes
+    memory = buf._grad
+    run(buf, main_grad, 0.3)
+    assert buf._grad is memory  # served again, not reallocated
+    torch.testing.assert_close(main_grad, start + 2 * ref_gw)
+
+    # two forwards before their backwards: the second one gets fresh memory, handed to autograd
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    wa.main_grad = torch.zeros(300, 16)
+    la, _, _ = linear_token_loss(xa, wa, t, loss_fn, vocab_size=290, chunk_size=8, with_entropy=True, chunk_buffer=buf)
+    lb, _, _ = linear_token_loss(xa, wa, t, loss_fn, vocab_size=290, chunk_size=8, with_entropy=True, chunk_buffer=buf)
+    (0.3 * la).backward()
+    (0.3 * lb).backward()
+    assert torch.equal(wa.main_grad, ref_gw) and torch.equal(wa.grad, ref_gw)
+    # a forward whose graph is dropped without a backward gives the memory back
+    lc, _, _ = linear_token_loss(xa, wa, t, loss_fn, vocab_size=290, chunk_size=8, with_entropy=True, chunk_buffer=buf)
+    assert buf._grad_owner is not None
+    del lc
+    assert buf._grad_owner() is None
+    buf.release()
+    assert buf._grad is None
+
+
 def test_input_validation():
     x, w, t = make(4, 8, 10)
     with pytest.raises(TypeError):
@@ -336,8 +387,12 @@ def _role_body(rank, world, tp, pp):
     from megatron.core import parallel_state as ps
 
     from megarl.config import LRScheduleConfig, ModelConfig, OptimConfig, ParallelConfig
+    from unittest import mock
+
+    from megarl.models import gpt
     from megarl.models.gpt import HeadStates
     from megarl.models.layout import gather_full_state_dict
+    from megarl.ops import ChunkBuffer
     from megarl.roles.role import Role
     from megarl.runtime.distributed import init_distributed, teardown
     from megarl.trainers.common import dp_microbatches, token_logprobs
@@ -353,6 +408,8 @@ def _role_body(rank, world, tp, pp):
         loss_sum = -(lp * b["mask"]).sum() - 0.1 * (ent * b["mask"]).sum()
         count = b["mask"].sum().to(torch.int)
         return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), count.double()])}
+
+    real_lookup_backward = gpt._LookupIntoMainGrad.backward
 
     def logits_loss(b, logits):
         from megarl.models.gpt import mask_padded_vocab
@@ -372,10 +429,12 @@ def _role_body(rank, world, tp, pp):
         def token_loss(pos, lp, ent):
             return -(lp * w[pos]).sum() - 0.1 * (ent * w[pos]).sum()
 
-        loss_sum, _, _ = head_token_loss(head, b["labels"], token_loss, with_entropy=True, chunk_size=3)
+        loss_sum, _, _ = head_token_loss(head, b["labels"], token_loss, with_entropy=True, chunk_size=3,
+                                         chunk_buffer=chunk_buffer)  # grad(W) straight into main_grad
         count = b["mask"].sum().to(torch.int)
         return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), count.double()])}
 
+    chunk_buffer = ChunkBuffer()
     out = {}
     for tied in (False, True):
         model = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
@@ -389,8 +448,16 @@ def _role_body(rank, world, tp, pp):
             "logits": roles["logits"].forward_collect(mbs, lambda b, o: token_logprobs(o, b["labels"], VOCAB)),
             "fused": roles["fused"].forward_collect(fused_mbs, lambda b, o: head_logprobs(o, b["labels"])[0]),
         }
-        steps = {"logits": roles["logits"].train_step(mbs, logits_loss).metrics["loss"],
-                 "fused": roles["fused"].train_step(fused_mbs, fused_loss).metrics["loss"],
+        # the reference: autograd's dense embedding gradient, added to main_grad by DDP's hook (the
+        # other two add the looked-up rows' gradients into main_grad themselves: models/gpt.py)
+        with mock.patch.object(gpt, "_embedding_grad_direct", lambda model: False):
+            logits_step = roles["logits"].train_step(mbs, logits_loss).metrics["loss"]
+        direct = []
+        with mock.patch.object(gpt._LookupIntoMainGrad, "backward",
+                               staticmethod(lambda ctx, g: direct.append(1) or real_lookup_backward(ctx, g))):
+            fused_step = roles["fused"].train_step(fused_mbs, fused_loss).metrics["loss"]
+        assert len(direct) == (len(mbs) if ps.is_pipeline_first_stage() else 0), direct  # one per micro-batch
+        steps = {"logits": logits_step, "fused": fused_step,
                  "folded": roles["folded"].train_step(fused_mbs, folded_loss).metrics["loss"]}
         params = {k: gather_full_state_dict(r.model, VOCAB) for k, r in roles.items()}
         out[tied] = {"collected": collected, "loss": steps, "params": params}

@@ -18,6 +18,8 @@ On a CPU every chunk of a call is written into one buffer (fresh memory costs pa
 log-prob and entropy only (RL's policy losses, NLL): each chunk's logits become their gradient in
 the forward, so nothing is recomputed (three GEMMs, not four).
 """
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -190,7 +192,8 @@ def head_token_loss(head, labels, token_loss, *, temperature=1.0, with_entropy=F
 
 
 class ChunkBuffer:
-    """The CPU memory of the fused head's logit chunks, kept from one call to the next.
+    """The CPU memory of the fused head's logit chunks (and of its grad(W)), kept from one call
+    to the next.
 
     Each call on a CPU writes all its chunks into one flat buffer (see _workspace); a fresh one is
     mapped and first-touched page by page, which at V = 152k made a call's first chunk GEMM take
@@ -198,10 +201,15 @@ class ChunkBuffer:
     scoring and training micro-batches) holds one ChunkBuffer and passes it to each: the memory
     (one chunk's logits, at most 256 MiB in fp32) is allocated once and stays until release().
     Only calls that hold nothing of it when they return use it (scoring without a backward, and
-    `linear_token_loss`), so one call never overwrites another's logits. Not for concurrent use."""
+    `linear_token_loss`), so one call never overwrites another's logits.
+    `linear_token_loss` also keeps its grad(W) [V/tp, h] here when the weight has megatron's
+    `main_grad` (see _direct_grad): from its forward until its backward has added it to
+    main_grad. A second call while one holds it gets fresh memory. Not for concurrent use."""
 
     def __init__(self):
         self._memory = None
+        self._grad = None  # [n, h] grad(W) memory
+        self._grad_owner = None  # weakref to the autograd node holding _grad until its backward
 
     def take(self, elems: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat CPU tensor of at least `elems` elements of `dtype` (its values are garbage)."""
@@ -210,8 +218,37 @@ class ChunkBuffer:
             self._memory = torch.empty(elems, dtype=dtype)
         return self._memory
 
+    def take_grad(self, owner, shape, dtype: torch.dtype) -> torch.Tensor | None:
+        """A CPU tensor [shape] of `dtype` (garbage values) for `owner`'s grad(W), held until
+        `owner` calls give_back_grad or is freed; None while another owner holds it."""
+        held = self._grad_owner() if self._grad_owner is not None else None
+        if held is not None:
+            return None
+        if self._grad is None or self._grad.dtype != dtype or self._grad.shape != tuple(shape):
+            self._grad = None
+            self._grad = torch.empty(shape, dtype=dtype)
+        self._grad_owner = weakref.ref(owner)
+        return self._grad
+
+    def give_back_grad(self, owner) -> None:
+        if self._grad_owner is not None and self._grad_owner() is owner:
+            self._grad_owner = None
+
     def release(self) -> None:
         self._memory = None
+        self._grad = None
+        self._grad_owner = None
+
+
+def _direct_grad(w, chunk_buffer) -> bool:
+    """Whether `linear_token_loss`'s backward adds grad(W) straight into `w.main_grad` (megatron
+    DDP's fp32 accumulation buffer, what its gradient hook would add it to) from memory the
+    ChunkBuffer keeps, instead of handing autograd a fresh [V/tp, h] tensor per call. On a CPU
+    that tensor is a fresh mapping first-touched page by page: at 152k x 256 its first chunk's
+    GEMM took 0.59 s against 0.37 s into touched memory (docs/benchmarks.md). megarl's DDP runs
+    without overlap_grad_reduce (roles/role.py), whose hook would need the gradient to reach it."""
+    return (chunk_buffer is not None and w.device.type == "cpu" and w.requires_grad
+            and getattr(w, "main_grad", None) is not None)
 
 
 def _workspace(x, elems: int, chunk_buffer: ChunkBuffer | None = None):
@@ -399,6 +436,9 @@ class _FusedLinearLoss(torch.autograd.Function):
         # when there is more than one chunk
         gx = torch.empty(N, x.shape[1], dtype=xg.dtype, device=x.device) if need_x else None          # [N, h]
         gw = None
+        # grad(W) into kept memory, for the backward to add to w.main_grad (see _direct_grad)
+        gw_kept = (chunk_buffer.take_grad(ctx, w.shape, w.main_grad.dtype)
+                   if need_w and _direct_grad(w, chunk_buffer) else None)
         for r0 in range(0, N, step):
             r1 = min(N, r0 + step)
             tc = t[r0:r1]
@@ -428,7 +468,10 @@ class _FusedLinearLoss(torch.autograd.Function):
             dz = _chunk_grad(z, tc, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index)  # [c, n]
             if need_x:
                 torch.mm(dz, wg, out=gx[r0:r1])                                # [c, h]
-            if need_w and gw is None:
+            if need_w and gw is None and gw_kept is not None:
+                gw = gw_kept                                                   # [n, h]
+                torch.mm(dz.t(), xg[r0:r1], out=gw) if gw.dtype == dz.dtype else gw.copy_(torch.mm(dz.t(), xg[r0:r1]))
+            elif need_w and gw is None:
                 gw = torch.mm(dz.t(), xg[r0:r1])                               # [n, h]
                 gw = gw.float() if N > step else gw
             elif need_w:
@@ -436,6 +479,7 @@ class _FusedLinearLoss(torch.autograd.Function):
             del dz, z
         ctx.grads = (gx, gw)
         ctx.consts = (group, reduce_grad, x.shape, x.dtype, w.dtype)
+        ctx.direct = (w, chunk_buffer) if gw_kept is not None else None  # gw is chunk_buffer's memory
         ctx.mark_non_differentiable(lp_all, ent_all)
         return loss, lp_all, ent_all
 
@@ -458,6 +502,13 @@ class _FusedLinearLoss(torch.autograd.Function):
                 import torch.distributed as dist
 
                 dist.all_reduce(gx, group=group)  # each rank's vocab shard adds its part of dL/dx
-        if need_w:  # None: no token's loss read the output layer
+        direct, ctx.direct = ctx.direct, None
+        if need_w and direct is not None:  # gw is kept memory: added here, never handed on
+            w, chunk_buffer = direct
+            if gw is not None and scale is not None:
+                w.main_grad.add_(gw.mul_(scale))  # what DDP's hook would add, in main_grad's dtype
+            chunk_buffer.give_back_grad(ctx)
+            gw = None
+        elif need_w:  # None: no token's loss read the output layer
             gw = None if gw is None or scale is None else gw.mul_(scale).to(w_dtype)
         return (gx if need_x else None, gw if need_w else None) + (None,) * 14
