@@ -180,9 +180,12 @@ class _EmbeddingGradIntoMainGrad(torch.overrides.TorchFunctionMode):
 
 
 def _embedding_grad_direct(model) -> bool:
-    w = model.embedding.word_embeddings.weight if model.pre_process else None
-    return (w is not None and w.device.type == "cpu" and w.requires_grad and torch.is_grad_enabled()
-            and getattr(w, "main_grad", None) is not None)
+    """Whether this forward looks its tokens up through _LookupIntoMainGrad: a training forward
+    (grad enabled) of a DDP-wrapped model's first stage on a CPU."""
+    if not (torch.is_grad_enabled() and model.pre_process):  # decode steps stop here
+        return False
+    w = model.embedding.word_embeddings.weight
+    return w.device.type == "cpu" and w.requires_grad and getattr(w, "main_grad", None) is not None
 
 
 @functools.cache
