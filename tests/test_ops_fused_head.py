@@ -384,11 +384,11 @@ VOCAB, SEQ, GBS, MBS, PROMPT = 100, 12, 4, 2, 5  # vocab 100: TP padding (128)
 
 
 def _role_body(rank, world, tp, pp):
+    from unittest import mock
+
     from megatron.core import parallel_state as ps
 
     from megarl.config import LRScheduleConfig, ModelConfig, OptimConfig, ParallelConfig
-    from unittest import mock
-
     from megarl.models import gpt
     from megarl.models.gpt import HeadStates
     from megarl.models.layout import gather_full_state_dict
