@@ -44,6 +44,11 @@ megarl runs with rl.packing and rl.share_prompts (rows of a micro-batch in one s
 prompt's samples holding it once); --packing off / --share-prompts off compare without them.
 The GEMM floor of the necessary work counts the prompt once per prompt in generation, scoring
 and training, and is printed as well with the prompt once per sample in scoring and training.
+Its GEMM rates are measured right after each timed megarl step (fp32), and each step is compared
+with the floor measured beside it: on a shared VM the machine's speed moves by 10-15% within
+minutes, and a floor measured once, minutes after the steps, moved megarl's ratio more than that
+(docs/benchmarks.md, 2026-12-04 (later)). The summary floor takes each GEMM's median rate over
+those measurements, and the spread of the floor across them is printed.
 """
 import argparse
 import json
@@ -473,6 +478,11 @@ def trl_worker(args) -> None:
 # Report
 
 
+def median_rates(measured: list[dict]) -> dict:
+    """Each (linear, kind)'s median GFLOP/s over gemm_rates measurements (one beside each step)."""
+    return {key: statistics.median(r[key] for r in measured) for key in measured[0]}
+
+
 def summary(results: list[dict]) -> dict:
     walls, cpus = [r["wall"] for r in results], [r["cpu"] for r in results]
     phase_names = list(results[0]["phases"])
@@ -485,7 +495,11 @@ def summary(results: list[dict]) -> dict:
             "steps": results}
 
 
-def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s: dict | None = None) -> None:
+def report(args, mg: dict, trl: dict | None, decode_s: dict | None = None) -> None:
+    """The tables and ratios; the floor's GEMM rates are those measured beside megarl's steps
+    (r["rates"] of each step in mg["steps"]: fp32 runs only)."""
+    measured = [r["rates"] for r in mg["steps"] if "rates" in r]
+    rates = median_rates(measured) if measured else None
     rows = args.prompts * args.samples
     prompt = f"{args.prompt_min}..{args.prompt_len}" if args.prompt_min != args.prompt_len else args.prompt_len
     ending = f" (up to; EOS, mean target {args.mean_len})" if args.workload == "realistic" else ""
@@ -525,8 +539,8 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s
         floor, gen = shares["step"], shares["generate"]
         print(f"\nGEMM floor of the necessary work (megarl's mean prompt {mg['prompt_len']:.0f} + response "
               f"{mg['response_len']:.0f} tokens; prefill once per prompt, no padding, no prompt logits): "
-              f"{sum(flops.values()) / 1e9:.0f} GFLOP at the fastest fp32 GEMM's best rates on these shapes "
-              f"(MKL or oneDNN) = "
+              f"{sum(flops.values()) / 1e9:.0f} GFLOP at the fastest fp32 GEMM's rates on these shapes "
+              f"(MKL or oneDNN; each GEMM's best of 3, the median over the measurements beside the steps) = "
               f"{floor:.2f} CPU-s per step (generation {gen:.2f}); megarl's mean CPU-s per step / floor "
               f"(both at the steps' mean lengths: GEMM work is linear in them) = {mg['cpu_mean'] / floor:.2f}x "
               f"(target <= 1.25x)"
@@ -536,10 +550,16 @@ def report(args, mg: dict, trl: dict | None, rates: dict | None = None, decode_s
         print(f"\nThe floor counting the prompt once per sample in scoring and training (as before "
               f"rl.share_prompts): {unshared:.2f} CPU-s per step; megarl {mg['cpu_mean'] / unshared:.2f}x"
               + (f", TRL {trl['cpu_mean'] / unshared:.2f}x" if trl is not None else ""))
-        per_step = [r["cpu"] / phase_floors(args, rates, r["prompt_len"], r["response_len"])["step"]
-                    for r in mg["steps"]]
-        print(f"\nmegarl per step against the floor at that step's own lengths: "
-              f"{', '.join(f'{x:.2f}x' for x in per_step)} (median {statistics.median(per_step):.2f}x)")
+        beside = [phase_floors(args, r["rates"], r["prompt_len"], r["response_len"])["step"] for r in mg["steps"]]
+        per_step = [r["cpu"] / f for r, f in zip(mg["steps"], beside)]
+        pairs = ", ".join(f"{r['cpu']:.2f} / {f:.2f} = {x:.2f}x" for r, f, x in zip(mg["steps"], beside, per_step))
+        print(f"\nmegarl per step against the floor at that step's own lengths, its GEMM rates measured right "
+              f"after the step: {pairs} CPU-s (median {statistics.median(per_step):.2f}x, "
+              f"mean {statistics.mean(per_step):.2f}x)")
+        drift = [phase_floors(args, m, mg["prompt_len"], mg["response_len"])["step"] for m in measured]
+        print(f"The floor at the mean lengths with each measurement's rates: {', '.join(f'{f:.2f}' for f in drift)} "
+              f"CPU-s ({max(drift) / min(drift):.2f}x between the slowest and the fastest; the summary uses each "
+              f"GEMM's median rate)")
         print("\n| phase | megarl s (phases: median wall; step: mean CPU) | FLOP floor, CPU-s | ratio |\n|---|---|---|---|")
         for p, f in shares.items():
             m = mg["cpu_mean"] if p == "step" else mg["phases"][p]
@@ -635,6 +655,7 @@ def main() -> None:
             if worker is not None:
                 worker.wait_ready()
             mg_runs, trl_runs = [], []
+            fp32 = args.precision == "fp32"
             for step in range(args.steps + 1):  # step 0: warm-up
                 r = megarl_step(stage, step)
                 print(f"step {step}{' (warm-up)' if step == 0 else ''}: megarl {r['wall']:.2f} s, {r['cpu']:.2f} CPU-s "
@@ -642,6 +663,11 @@ def main() -> None:
                       f"{r['prompt_len']:.0f} + response {r['response_len']:.0f} tokens)", flush=True)
                 if step:
                     mg_runs.append(r)
+                    if fp32:  # the floor's GEMM rates beside this step (the machine's speed drifts)
+                        r["rates"] = gemm_rates(args)
+                        floor = phase_floors(args, r["rates"], r["prompt_len"], r["response_len"])["step"]
+                        print(f"step {step}: GEMM floor at its lengths, measured after it: {floor:.2f} CPU-s "
+                              f"(megarl {r['cpu'] / floor:.2f}x)", flush=True)
                 if worker is not None:
                     t = worker.step()
                     print(f"step {step}{' (warm-up)' if step == 0 else ''}: TRL {t['wall']:.2f} s, {t['cpu']:.2f} CPU-s "
@@ -649,9 +675,8 @@ def main() -> None:
                           f"{t['response_len']:.0f} tokens)", flush=True)
                     if step:
                         trl_runs.append(t)
-            fp32 = args.precision == "fp32"
             report(args, summary(mg_runs), summary(trl_runs) if trl_runs else None,
-                   gemm_rates(args) if fp32 else None, decode_seconds(args) if fp32 else None)
+                   decode_seconds(args) if fp32 else None)
             if args.profile:
                 from torch.profiler import ProfilerActivity, profile
 
