@@ -1,8 +1,8 @@
 """Build hook for the optional extensions; the package metadata is in pyproject.toml.
 
-csrc/build.py decides, and never fails the install: the CPU kernels of generation (megarl._cpu:
-decode attention, the LM head's GEMM at few rows) are built wherever a C++ compiler is, the CUDA kernels (megarl._C) only when a CUDA
-toolkit and a CUDA build of torch are both present; without them megarl runs the torch path.
+csrc/build.py decides, and never fails the install: the CUDA kernels (megarl._C) are built only
+when a CUDA toolkit and a CUDA build of torch are both present; without them megarl runs the
+torch path.
 Install with `pip install --no-build-isolation -e .[dev]` (launchers/local/setup.sh) so that
 the build sees the installed torch.
 """

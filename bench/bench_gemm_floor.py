@@ -3,7 +3,6 @@
     python bench/bench_gemm_floor.py [--reps 5] [--threads 1] [--hidden 512] [--ffn 1408] [--layers 8]
                                      [--heads 8] [--kv-heads 8] [--vocab 32000] [--prompts 8]
                                      [--samples 8] [--prompt-len 32] [--new-tokens 128] [--tokens N]
-    python bench/bench_gemm_floor.py --read-bound [--vocab 151936 --hidden 256] [--reps 7]
 
 Every GEMM of the step's linears (q/k/v + o, gated MLP, LM head), in the three shapes they take
 (forward y = x W^T, input gradient dx = dy W, weight gradient dW = dy^T x) at the training token
@@ -16,10 +15,7 @@ interleaved (impl A, B, C, A, B, C, ...) so that load from others on the machine
                and grad(input) (dy times W read as its transpose); not grad(weight), whose dy^T
                it would need copied: counted at its forward rate in the floor
   mm-bf16      bf16 matmul (oneDNN with AVX-512 BF16 / AMX where the CPU has them)
-  bf16-via-fp32  bf16 operands through fp32 sgemm, the result rounded to bf16 once, as megarl's
-               train.cpu_half_gemm=fp32 runs them (models/cpu_gemm.py): activations converted per
-               call, the weight (forward and dgrad) once per block, so outside the timing
-Compare mm-bf16 with bf16-via-fp32 to choose train.cpu_half_gemm for a CPU.
+  bf16-via-fp32  bf16 operands through fp32 sgemm, the result rounded to bf16 once
 Each is checked against a float64 product (max relative error over the output's scale).
 Reported per shape: best and median GFLOP/s; then the floor of one step: the step's GEMM FLOPs
 (generation over every decode step, reference + actor scoring forward, training forward +
@@ -105,12 +101,8 @@ def main():
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--tokens", type=int, default=0,
                     help="rows of the training GEMMs (default: the step's, prompts x samples x length)")
-    ap.add_argument("--read-bound", action="store_true",
-                    help="instead: the LM head's decode GEMM at 1-16 rows against a plain read of its weight")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    if a.read_bound:
-        return read_bound(a)
     rows, T = a.prompts * a.samples, a.prompt_len + a.new_tokens
     libs = impls()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs ({torch.backends.cpu.get_cpu_capability()}), "
@@ -170,50 +162,6 @@ def main():
             secs += f / (r * 1e9)
         print(f"| {lib} | {secs:.2f} |")
     print("\n(onednn-fp32's grad(weight) GEMMs are counted at its forward rate: a floor if oneDNN ran them too.)")
-
-
-def read_bound(a) -> None:
-    """At a few rows an LM head's decode GEMM reads its whole [V, h] weight for little arithmetic:
-    it can go no faster than a plain read of that weight (torch.amax over it, one pass, nothing
-    written). Each way of the GEMM that bench_rl_step.py's decode floor takes (MKL on x W^T, as
-    (W x^T)^T, and on the weight stored input-major as the rollout keeps it (models/decode_layout.py);
-    megarl._cpu's wide_linear where it runs) against that read, GB/s of weight read, interleaved,
-    best / median of --reps; both memories on huge pages where the kernel allows, as in generation."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from megarl.models import cpu_kernels
-    from megarl.runtime import huge_pages
-
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(a.vocab, a.hidden, generator=g)
-    wt = w.t().contiguous()  # the same values input-major ([h, V]), as the rollout keeps them for MKL
-    huge = all([huge_pages.collapse(w), huge_pages.collapse(wt)])  # both, as the rollout engine does
-    gb = w.numel() * w.element_size() / 1e9
-    kernel = cpu_kernels.wide_linear()
-    print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {a.threads} thread(s), "
-          f"{time.strftime('%Y-%m-%d')}, LM head {a.vocab} x {a.hidden} fp32 ({gb * 1e3:.0f} MB, "
-          f"{'on' if huge else 'not on'} huge pages), {a.reps} reps; "
-          f"command: python bench/bench_gemm_floor.py --read-bound --vocab {a.vocab} --hidden {a.hidden}\n")
-    print("| rows | way | best ms | median ms | best GB/s of weight read |\n|---|---|---|---|---|")
-    for m in (0, 1, 2, 4, 8, 16):  # 0: the plain read
-        x = torch.randn(max(m, 1), a.hidden, generator=g)
-        ways = {"read (amax)": lambda: torch.amax(w)} if m == 0 else {
-            "MKL x W^T": lambda: F.linear(x, w), "MKL (W x^T)^T": lambda: torch.mm(w, x.t()).t(),
-            "MKL x W_in-major": lambda: torch.mm(x, wt)}
-        if m and kernel is not None:
-            ways["megarl wide_linear"] = lambda: kernel(x, w)
-        times = {name: [] for name in ways}
-        for fn in ways.values():
-            fn()
-        for _ in range(a.reps):
-            for name, fn in ways.items():
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-        for name, ts in times.items():
-            print(f"| {m or '-'} | {name} | {min(ts) * 1e3:.2f} | {statistics.median(ts) * 1e3:.2f} "
-                  f"| {gb / min(ts):.1f} |")
 
 
 if __name__ == "__main__":

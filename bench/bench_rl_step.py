@@ -166,7 +166,7 @@ def build_megarl(args, model_dir: str, prompts_file: str, work: str):
         f"rl.old_logprobs={args.old_logprobs}", f"rl.packing={str(args.packing == 'on').lower()}",
         f"rl.share_prompts={str(getattr(args, 'share_prompts', 'on') == 'on').lower()}",  # the CLI's default
         "optim.lr=1e-6", "optim.weight_decay=0.0", "optim.clip_grad=1.0", "lr_schedule.style=constant",
-        f"train.precision={args.precision}", f"train.cpu_half_gemm={getattr(args, 'cpu_half_gemm', 'native')}",
+        f"train.precision={args.precision}",
         "train.seed=1", f"train.run_dir={work}", "tracking.backend=none",
         "checkpoint.save_interval=0"]
     cfg = load_config(os.path.join(ROOT, "megarl", "configs", "tiny_grpo.yaml"), overrides)
@@ -262,19 +262,13 @@ def decode_seconds(args, reps: int = 3) -> dict:
     step with few rows is bound by reading the weight, so its time is measured, not derived from a
     FLOP rate. The fastest of the ways no engine need avoid: MKL's sgemm on the stored [n, k]
     weight as `x W^T` and as `(W x^T)^T` (2-3x faster at 2-4 rows of an LM head), MKL on the
-    weight stored input-major ([k, n]: `x @ wt`), oneDNN's inner product on that memory
-    (megarl's decode layout), and megarl._cpu's wide_linear on the stored weight where it is built
-    (AVX-512); MKL on [m, k] x [n, k]^T alone is up to 1.8x slower at m = 4..8 than at m = 16 on
-    this machine (measured)."""
+    weight stored input-major ([k, n]: `x @ wt`) and oneDNN's inner product on that memory."""
     import torch
     import torch.nn.functional as F
     from bench_gemm_floor import linears
     from timing import best_wall_and_cpu
 
-    from megarl.models import cpu_kernels
-
     onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-    kernel = cpu_kernels.wide_linear()
     g = torch.Generator().manual_seed(0)
     seconds = {}
     for name, n, k in linears(args):
@@ -285,8 +279,6 @@ def decode_seconds(args, reps: int = 3) -> dict:
             ways = [lambda: F.linear(x, w), lambda: torch.mm(w, x.t()).t(), lambda: x @ wt]
             if onednn is not None:
                 ways.append(lambda: onednn(x, wt.t(), None, "none", [], ""))
-            if kernel is not None:
-                ways.append(lambda: kernel(x, w))
             for fn in ways:
                 fn()  # warm-up
             seconds[(name, m)] = min(best_wall_and_cpu(fn, reps)[0] for fn in ways)
@@ -506,7 +498,7 @@ def report(args, mg: dict, trl: dict | None, decode_s: dict | None = None) -> No
     print(f"\n## RL step ({args.workload} workload): GRPO, {args.prompts} prompts x {args.samples} samples, "
           f"prompt {prompt} + {args.new_tokens}{ending} new tokens, Llama hidden {args.hidden}, ffn {args.ffn}, {args.layers} layers, "
           f"{args.heads} heads ({args.kv_heads} KV), vocab {args.vocab}, {args.precision}"
-          f"{f' (megarl train.cpu_half_gemm={args.cpu_half_gemm})' if args.precision != 'fp32' else ''}, 1 PPO epoch, 1 optimizer step "
+          f", 1 PPO epoch, 1 optimizer step "
           f"of {rows // args.micro_batch} micro-batches x {args.micro_batch}, beta {args.beta}, "
           f"{args.threads} thread(s), 1 warm-up + {args.steps} timed steps each, interleaved; megarl "
           f"rl.packing={args.packing == 'on'}, rl.share_prompts={args.share_prompts == 'on'}\n")
@@ -573,7 +565,7 @@ def report(args, mg: dict, trl: dict | None, decode_s: dict | None = None) -> No
             steps = statistics.mean(decode_step_floor(args, decode_s, lens) for lens in mg["response_lens"]) + prefill
             print(f"\nGeneration at this batch's own decode steps (step t runs only its live rows, each linear "
                   f"at its measured time for that many rows, the fastest way: MKL or oneDNN on either "
-                  f"weight memory, or megarl._cpu's wide_linear where it runs; the long tail's 1-2-row steps are bound by "
+                  f"weight memory; the long tail's 1-2-row steps are bound by "
                   f"reading the LM head's weight, which the FLOP floor above does not count): {steps:.2f} "
                   f"CPU-s per step; megarl's generate phase {mg['phases']['generate']:.2f} s (median) = "
                   f"{mg['phases']['generate'] / steps:.2f}x. The whole step against the floor with this "
@@ -618,9 +610,6 @@ def main() -> None:
                     help="megarl's rl.share_prompts (with packing: a prompt's samples share its tokens)")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="both frameworks' training precision (bf16: the same on both sides)")
-    ap.add_argument("--cpu-half-gemm", choices=("native", "fp32"), default="native",
-                    help="megarl's train.cpu_half_gemm: how its bf16 GEMMs run on this CPU (native: torch's bf16 "
-                         "kernels, as TRL runs them; fp32: through fp32 sgemm, rounded once)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)

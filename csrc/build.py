@@ -1,11 +1,8 @@
 """Describe megarl's compiled extensions for setup.py; each is left out when it cannot be built.
 
-get_extensions() -> (ext_modules, cmdclass), and never raises: megarl._cpu (the CPU decode
-attention and the LM head's decode GEMM) needs a C++ compiler and is optional (a failed compile
-is a warning); megarl._C (the CUDA kernels) needs a CUDA build of torch *and* a CUDA toolkit
-(nvcc). Without either, megarl installs and runs the torch path. The .cu files hold the CUDA
-kernels, bindings.cpp their Python bindings (g++ only); host_check.cpp is the CPU test harness of
-the CUDA kernels' arithmetic and is part of neither extension. cpu_*.cpp are megarl._cpu's.
+get_extensions() -> (ext_modules, cmdclass), and never raises: megarl._C (the CUDA kernels)
+needs a CUDA build of torch *and* a CUDA toolkit (nvcc). Without them, megarl installs and runs
+the torch path. The .cu files hold the CUDA kernels, bindings.cpp their Python bindings.
 """
 import glob
 import os
@@ -40,31 +37,6 @@ def nvcc_path():
 def kernel_sources():
     """Kernel translation units (every .cu), as absolute paths."""
     return sorted(glob.glob(os.path.join(HERE, "*.cu")))
-
-
-CPU_SOURCES = ("cpu_decode_attention.cpp", "cpu_wide_linear.cpp", "cpu_decode_layer.cpp", "cpu_sampling.cpp",
-               "cpu_logprobs.cpp", "cpu_bindings.cpp")
-
-
-def cpu_extension():
-    """megarl._cpu (cpu_decode_attention.cpp: decode attention over the KV cache;
-    cpu_wide_linear.cpp: the LM head's GEMM at decode sizes; cpu_decode_layer.cpp: a whole layer
-    at a decode step; cpu_sampling.cpp: the decode step's
-    draw over the vocabulary; cpu_logprobs.cpp: the log-prob/entropy row passes over fp32
-    logits), or None without a C++ compiler.
-    Optional: a failed compile leaves megarl on torch's SDPA and GEMMs."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return None
-    from torch.utils.cpp_extension import CppExtension
-
-    sources = [os.path.relpath(os.path.join(HERE, name), ROOT) for name in CPU_SOURCES]
-    ext = CppExtension(name="megarl._cpu", sources=sources, include_dirs=[HERE],
-                       # -fno-trapping-math: without it GCC leaves the AVX2 clones' loops with a
-                       # comparison or a float->int conversion scalar (it may if-convert them only
-                       # under AVX-512's masks); the results are the same, exceptions are not read
-                       extra_compile_args=["-O3", "-fopenmp-simd", "-fno-trapping-math"])
-    ext.optional = True  # setuptools' build_ext warns and goes on when an optional extension fails
-    return ext
 
 
 # What megarl._C is built for when no GPU is visible and TORCH_CUDA_ARCH_LIST is unset: A100 and
@@ -111,17 +83,13 @@ def get_extensions():
     home = cuda_home()
     if home is not None:  # before anything imports torch.utils.cpp_extension, which reads it once;
         os.environ.setdefault("CUDA_HOME", home)  # unset, it takes nvcc's parent (/usr/local/bin/nvcc: /usr/local)
-    exts = []
-    for make in (cpu_extension, cuda_extension):
-        try:
-            ext = make()
-        except Exception as exc:  # never fail the install: the torch path is always there
-            print(f"megarl: not building {make.__name__} ({exc!r})", file=sys.stderr)
-            ext = None
-        if ext is not None:
-            exts.append(ext)
-    if not exts:
+    try:
+        ext = cuda_extension()
+    except Exception as exc:  # never fail the install: the torch path is always there
+        print(f"megarl: not building megarl._C ({exc!r})", file=sys.stderr)
+        ext = None
+    if ext is None:
         return [], {}
     from torch.utils.cpp_extension import BuildExtension
 
-    return exts, {"build_ext": BuildExtension}
+    return [ext], {"build_ext": BuildExtension}

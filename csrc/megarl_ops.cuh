@@ -1,8 +1,8 @@
 // Per-row and per-chunk arithmetic of megarl's fused ops (issue 3).
 //
 // Everything here is __host__ __device__: nvcc compiles it into the CUDA kernels (logprobs.cu,
-// gae.cu) and g++ compiles the very same functions into the CPU harness (host_check.cpp) that
-// tests/test_csrc.py drives, so the maths the GPU runs is exercised on machines without a GPU.
+// gae.cu) and g++ compiles the very same functions into the CPU harness that
+// tests/test_csrc.py drives through tests/host_check.cpp, so the maths the GPU runs is exercised on machines without a GPU.
 // Only the block-level plumbing (shuffles, shared memory, __syncthreads) lives in the .cu files.
 #pragma once
 

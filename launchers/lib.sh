@@ -58,30 +58,3 @@ megarl_torchrun() {
     echo "${MEGARL_PYTHON:-python3}" "$here/torchrun.py"
 }
 
-# True for a CPU run: MEGARL_DEVICE=cpu, or MEGARL_DEVICE unset and no GPU visible.
-megarl_is_cpu_run() {
-    case "${MEGARL_DEVICE:-}" in
-        cpu) return 0 ;;
-        "") ! nvidia-smi -L 2> /dev/null | grep -q '^GPU' ;;
-        *) return 1 ;;
-    esac
-}
-
-# CPU runs only: make glibc malloc back its large blocks with transparent huge pages.
-# Every step allocates and frees tensors of 100+ MiB (logits and their gradients: 125 MiB at
-# 8x128 tokens x 32000 vocab, fp32). glibc serves blocks above 32 MiB (its largest mmap
-# threshold) with fresh mmaps, so each new one is first-touched again: one page fault per
-# 4 KiB page, 35-45 ms per 125 MiB. glibc.malloc.hugetlb=1 (glibc >= 2.35) madvises those
-# mappings as huge pages: 2 MiB pages, 512x fewer faults (see "Step speed" in docs/benchmarks.md
-# for the measured effect). Ignored by older glibc and where THP is "never"; the user's own
-# GLIBC_TUNABLES malloc settings win; MEGARL_CPU_MALLOC=default leaves the allocator alone.
-megarl_cpu_allocator_env() {
-    [ "${MEGARL_CPU_MALLOC:-hugetlb}" = default ] && return 0
-    [ "${MEGARL_CPU_MALLOC:-hugetlb}" = hugetlb ] || megarl_die "MEGARL_CPU_MALLOC must be hugetlb or default, got '${MEGARL_CPU_MALLOC}'"
-    megarl_is_cpu_run || return 0
-    case "${GLIBC_TUNABLES:-}" in
-        *glibc.malloc.hugetlb=*) ;;
-        "") export GLIBC_TUNABLES=glibc.malloc.hugetlb=1 ;;
-        *) export GLIBC_TUNABLES="${GLIBC_TUNABLES}:glibc.malloc.hugetlb=1" ;;
-    esac
-}

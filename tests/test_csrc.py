@@ -3,12 +3,11 @@
 1. Every .cu compiles with nvcc for sm_90 (so a kernel that does not compile cannot land), and
    bindings.cpp compiles with g++ against the torch headers.
 2. The arithmetic the kernels run (csrc/megarl_ops.cuh, __host__ __device__) is built with g++
-   into csrc/host_check.cpp, which replays each CUDA block's decomposition (lanes, vector tails,
+   into tests/host_check.cpp, which replays each CUDA block's decomposition (lanes, vector tails,
    butterfly merges, tiles and the chunk-map scan), and is checked here against float64
    references through ctypes.
-3. csrc/build.py describes the optional CPU extension (megarl._cpu) wherever a C++ compiler is,
-   the CUDA one only with a CUDA torch and toolkit, and never raises. The CPU extension's
-   kernel is tested in tests/test_decode_attention.py.
+3. csrc/build.py describes the CUDA extension only with a CUDA torch and toolkit, and never
+   raises.
 """
 import ctypes
 import hashlib
@@ -90,32 +89,24 @@ def build_env(monkeypatch):
     return monkeypatch
 
 
-def test_build_py_describes_the_cpu_extension_and_cuda_only_with_a_toolkit(build_env):
+def test_build_py_describes_the_cuda_extension_only_with_a_toolkit(build_env):
     monkeypatch = build_env
     ext_modules, cmdclass = build.get_extensions()  # must not raise anywhere
-    names = sorted(e.name for e in ext_modules)
-    want = []
-    if shutil.which(os.environ.get("CXX", "c++")):
-        want.append("megarl._cpu")
-    if torch.version.cuda and build.cuda_home() is not None:
-        want.append("megarl._C")
-    assert names == sorted(want)
-    assert all(e.optional for e in ext_modules if e.name == "megarl._cpu")  # a failed compile never fails the install
+    want = ["megarl._C"] if torch.version.cuda and build.cuda_home() is not None else []
+    assert [e.name for e in ext_modules] == want
     assert (cmdclass != {}) == bool(ext_modules)
-    monkeypatch.setenv("CXX", "/nonexistent/c++")  # no compiler: the CPU extension is left out
-    assert "megarl._cpu" not in [e.name for e in build.get_extensions()[0]]
+    monkeypatch.setattr(build, "cuda_home", lambda: None)  # no toolkit: nothing to build
+    assert build.get_extensions() == ([], {})
 
 
 def test_build_py_exports_the_toolkit_before_any_extension_is_described(build_env):
-    """torch.utils.cpp_extension reads CUDA_HOME once, on import (the CPU extension imports it
-    first); unset, it takes nvcc's parent directory, /usr/local for a /usr/local/bin/nvcc, and
-    megarl._C then fails to link (-lcudart not found). get_extensions() exports the toolkit's root
-    before describing anything."""
+    """torch.utils.cpp_extension reads CUDA_HOME once, on import; unset, it takes nvcc's parent
+    directory, /usr/local for a /usr/local/bin/nvcc, and megarl._C then fails to link (-lcudart
+    not found). get_extensions() exports the toolkit's root before describing anything."""
     monkeypatch = build_env
     monkeypatch.setattr(build, "cuda_home", lambda: "/opt/toolkit-under-test")
     seen = []
-    monkeypatch.setattr(build, "cpu_extension", lambda: seen.append(os.environ.get("CUDA_HOME")))
-    monkeypatch.setattr(build, "cuda_extension", lambda: None)
+    monkeypatch.setattr(build, "cuda_extension", lambda: seen.append(os.environ.get("CUDA_HOME")))
     build.get_extensions()
     assert seen == ["/opt/toolkit-under-test"]
     monkeypatch.setenv("CUDA_HOME", "/users/choice")  # the user's setting stays
@@ -157,7 +148,7 @@ def host(tmp_path_factory):
         pytest.skip("g++ not found")
     lib = tmp_path_factory.mktemp("host") / "libmegarl_host.so"
     _run([GXX, "-O2", "-std=c++20", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-I", CSRC,
-          os.path.join(CSRC, "host_check.cpp"), "-o", str(lib)])
+          os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_check.cpp"), "-o", str(lib)])
     h = ctypes.CDLL(str(lib))
     h.megarl_host_logprobs_forward.argtypes = [F32P, i64, i64, i64, I64P, i64, i64, i64, f32,
                                                cint, cint, cint, F32P, F32P, F32P, F32P]

@@ -422,8 +422,6 @@ COMMANDS = {
     # ---- docs/benchmarks.md (each bench's --help; the stage commands at validate level)
     "python bench/bench_logprobs.py --reps 3": (Help(),),
     "python bench/bench_logprobs.py --reps 3 --threads 1": (Help(),),
-    "python bench/bench_gae.py --reps 3": (Help(),),
-    "python bench/bench_gae.py --reps 3 --threads 1": (Help(),),
     "megarl sft --config configs/tiny_sft.yaml train.run_dir=R [train.steps=N]": (Validate(),),
     "megarl rm --config configs/tiny_rm.yaml train.run_dir=R [overrides below]": (Validate(needs=("sft",)),),
     "python bench/bench_gpu_ops.py --hbm-tbps 3.35": (Help(),),  # needs CUDA

@@ -6,7 +6,6 @@
 2. The foreach grad norm / clip (megarl.optim.foreach) equals megatron-core's reference
    functions and a float64 formula, and training steps through it (with torch's fused AdamW)
    equal megatron's own steps (per-op AdamW) to fp32 rounding.
-3. CPU launches configure glibc malloc (launchers/lib.sh), and only CPU launches.
 """
 import pytest
 import torch
@@ -165,30 +164,6 @@ def test_foreach_clip_matches_megatron_and_float64():
         assert abs(a - b) <= 1e-6 * b, (fe_norms, mg_norms)
     for k, v in mg_params.items():
         torch.testing.assert_close(fe_params[k], v, rtol=1e-5, atol=1e-7, msg=k)
-
-
-def _allocator_env(env_setup: str) -> str:
-    import os
-    import subprocess
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = f'source "{root}/launchers/lib.sh"; {env_setup}; megarl_cpu_allocator_env; echo "[${{GLIBC_TUNABLES:-}}]"'
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MEGARL_DEVICE", "MEGARL_CPU_MALLOC")}
-    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env)
-    return r.stdout.strip() if r.returncode == 0 else f"rc={r.returncode}: {r.stderr.strip()}"
-
-
-def test_cpu_launch_sets_the_allocator_only_for_cpu_runs():
-    on = "[glibc.malloc.hugetlb=1]"
-    assert _allocator_env("export MEGARL_DEVICE=cpu") == on
-    assert _allocator_env("export MEGARL_DEVICE=cpu GLIBC_TUNABLES=glibc.malloc.arena_max=2") == \
-        "[glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1]"
-    assert _allocator_env("export MEGARL_DEVICE=cpu GLIBC_TUNABLES=glibc.malloc.hugetlb=0") == \
-        "[glibc.malloc.hugetlb=0]"  # the user's own setting wins
-    assert _allocator_env("export MEGARL_DEVICE=cpu MEGARL_CPU_MALLOC=default") == "[]"
-    assert _allocator_env("export MEGARL_DEVICE=cuda") == "[]"
-    bad = _allocator_env("export MEGARL_DEVICE=cpu MEGARL_CPU_MALLOC=jemalloc")
-    assert bad.startswith("rc=2") and "MEGARL_CPU_MALLOC" in bad
 
 
 def _output_from_body(rank, world_size, sp):

@@ -18,7 +18,6 @@ from megarl.ops import (head_logprobs, head_token_loss, linear_logprobs_and_entr
                         logprobs_and_entropy)
 from megarl.ops import fused_head
 
-pytestmark = pytest.mark.usefixtures("row_path")  # every test on both CPU row paths (conftest.py)
 VAL_TOL = dict(rtol=2e-5, atol=2e-5)
 GRAD_TOL = dict(rtol=1e-4, atol=2e-5)
 
@@ -145,18 +144,14 @@ def test_no_logits_saved_for_backward_and_chunk_bounded(monkeypatch):
     x, w, t = make(T, h, n, seed=6, ignore_frac=0.0)  # every token counts: chunks of exactly `chunk` rows
     x.requires_grad_(), w.requires_grad_()
     saved = []
-    shapes, storages = [], []
+    shapes = []
     real = fused_head._chunk_logits
 
-    def chunk_logits(xc, ww, fp, *workspace):
+    def chunk_logits(xc, ww, fp):
         shapes.append((xc.shape[0], ww.shape[0]))
-        z = real(xc, ww, fp, *workspace)
-        storages.append(z.untyped_storage().data_ptr())
-        return z
+        return real(xc, ww, fp)
 
     monkeypatch.setattr(fused_head, "_chunk_logits", chunk_logits)
-    buffers, real_workspace = [], fused_head._workspace
-    monkeypatch.setattr(fused_head, "_workspace", lambda *a: buffers.append(a[1]) or real_workspace(*a))
     with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s.numel()) or s, lambda s: s):
         lp, ent = linear_logprobs_and_entropy(x, w, t, chunk_size=chunk)
     (lp.sum() + ent.sum()).backward()
@@ -166,34 +161,21 @@ def test_no_logits_saved_for_backward_and_chunk_bounded(monkeypatch):
     cols = chunk * n // T // 64 * 64  # 512 columns: about as many logits as a forward chunk, 64-aligned
     assert [v for _, v in backward] == [cols] * (n // cols) + [n % cols] and {c for c, _ in backward} == {T}
     assert max(c * v for c, v in shapes) <= chunk * n
-    # on a CPU each pass writes all its chunks into one buffer (no fresh, first-touched memory per
-    # chunk), and the backward takes over the forward's: one buffer allocated for both
-    assert len(set(storages)) == 1 and buffers == [chunk * n]
 
 
-def test_backward_needing_more_than_a_forward_chunk_gets_its_own_buffer(monkeypatch):
-    """Many tokens per forward chunk's elements: the backward's column slices stop at _MIN_COLS,
-    so all tokens x 256 columns outgrow the forward's buffer; it allocates one and the grads still
-    match float64."""
+def test_backward_slices_stop_at_min_cols(monkeypatch):
+    """Many tokens per forward chunk's elements: the backward's column slices stop at _MIN_COLS
+    (all tokens x 256 columns, more than a forward chunk's logits) and the grads still match
+    float64."""
     T, h, n, chunk = 96, 16, 600, 2  # backward: 96 x 256 > a forward chunk's 2 x 600
     x, w, t = make(T, h, n, seed=9, ignore_frac=0.0)
     x.requires_grad_(), w.requires_grad_()
-    storages, real = [], fused_head._chunk_logits
-
-    def chunk_logits(xc, ww, fp, *workspace):
-        z = real(xc, ww, fp, *workspace)
-        storages.append((xc.shape[0], z.untyped_storage().data_ptr()))
-        return z
-
-    monkeypatch.setattr(fused_head, "_chunk_logits", chunk_logits)
-    buffers, real_workspace = [], fused_head._workspace
-    monkeypatch.setattr(fused_head, "_workspace", lambda *a: buffers.append(a[1]) or real_workspace(*a))
+    shapes, real = [], fused_head._chunk_logits
+    monkeypatch.setattr(fused_head, "_chunk_logits",
+                        lambda xc, ww, fp: shapes.append((xc.shape[0], ww.shape[0])) or real(xc, ww, fp))
     lp, ent = linear_logprobs_and_entropy(x, w, t, chunk_size=chunk)
     backprop_mix(lp, ent)
-    assert buffers == [chunk * n, T * 256]
-    forward = {p for c, p in storages if c == chunk}
-    backward = {p for c, p in storages if c == T}
-    assert len(forward) == 1 and len(backward) == 1 and forward != backward
+    assert shapes[T // chunk:] == [(T, 256), (T, 256), (T, n - 512)]  # after the forward chunks
     x64, w64, lp64, ent64 = reference(x, w, t)
     backprop_mix(lp64, ent64)
     torch.testing.assert_close(x.grad.double(), x64.grad, **GRAD_TOL)
@@ -208,7 +190,7 @@ def test_one_chunk_keeps_its_logits_for_the_backward(monkeypatch):
     calls = []
     real = fused_head._chunk_logits
     monkeypatch.setattr(fused_head, "_chunk_logits",
-                        lambda xc, ww, fp, *ws: calls.append(xc.shape[0]) or real(xc, ww, fp, *ws))
+                        lambda xc, ww, fp: calls.append(xc.shape[0]) or real(xc, ww, fp))
     grads = {}
     for chunk in (T, T - 1):  # one chunk (kept) vs two chunks (recomputed)
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -222,102 +204,12 @@ def test_one_chunk_keeps_its_logits_for_the_backward(monkeypatch):
     torch.testing.assert_close(grads[T][2], grads[T - 1][2], rtol=1e-5, atol=1e-6)
     kept = []
     real_apply = fused_head._FusedLinearLogProbs.apply
-    # the Function's last three inputs are keep_one, with_entropy and chunk_buffer
-    monkeypatch.setattr(fused_head._FusedLinearLogProbs, "apply", lambda *a: kept.append(a[-3]) or real_apply(*a))
+    # the Function's last two inputs are keep_one and with_entropy
+    monkeypatch.setattr(fused_head._FusedLinearLogProbs, "apply", lambda *a: kept.append(a[-2]) or real_apply(*a))
     with torch.no_grad():  # scoring: no backward will come
         linear_logprobs_and_entropy(x.clone().requires_grad_(), w.clone().requires_grad_(), t)
     linear_logprobs_and_entropy(x, w, t)  # nothing requires grad
     assert kept == [False, False]
-
-
-def test_a_chunk_buffer_serves_calls_in_turn_but_never_one_with_a_backward_to_come():
-    """A ChunkBuffer's memory is taken by each call in turn (scoring, the token loss): the same
-    results as fresh memory, one allocation while the calls fit. A forward with a backward to come
-    keeps its own logits: another call writing the buffer in between leaves its gradients right."""
-    T, h, n, chunk = 30, 16, 400, 8
-    x, w, t = make(T, h, n, seed=12, vocab_size=390)
-    buf = fused_head.ChunkBuffer()
-    with torch.no_grad():  # scoring
-        lp, ent = linear_logprobs_and_entropy(x, w, t, vocab_size=390, chunk_size=chunk, chunk_buffer=buf)
-        memory = buf._memory
-        assert memory is not None and memory.numel() == chunk * n
-        lp2, _ = linear_logprobs_and_entropy(x[:20], w, t[:20], vocab_size=390, chunk_size=chunk, chunk_buffer=buf)
-        assert buf._memory is memory  # taken again, not reallocated
-        ref_lp, ref_ent = linear_logprobs_and_entropy(x, w, t, vocab_size=390, chunk_size=chunk)
-    assert torch.equal(lp, ref_lp) and torch.equal(ent, ref_ent)
-    torch.testing.assert_close(lp2, ref_lp[:20], **VAL_TOL)
-
-    def nll(pos, lp_, ent_):
-        return -lp_.sum()
-
-    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-    lp, ent = linear_logprobs_and_entropy(xx, ww, t, vocab_size=390, chunk_buffer=buf)  # one chunk, kept
-    xo, wo = (2 * x).requires_grad_(), w.clone().requires_grad_()
-    loss, _, _ = linear_token_loss(xo, wo, t, nll, vocab_size=390, chunk_buffer=buf)  # writes the buffer
-    assert buf._memory.numel() >= int((t != -100).sum()) * n
-    backprop_mix(lp, ent)
-    x64, w64, lp64, ent64 = reference(x, w, t, 390)
-    backprop_mix(lp64, ent64)
-    torch.testing.assert_close(xx.grad.double(), x64.grad, **GRAD_TOL)
-    torch.testing.assert_close(ww.grad.double(), w64.grad, **GRAD_TOL)
-    loss.backward()
-    xf, wf = (2 * x).requires_grad_(), w.clone().requires_grad_()
-    fresh, _, _ = linear_token_loss(xf, wf, t, nll, vocab_size=390)
-    fresh.backward()
-    assert torch.equal(loss, fresh) and torch.equal(xo.grad, xf.grad) and torch.equal(wo.grad, wf.grad)
-    buf.release()
-    assert buf._memory is None
-
-
-def test_token_loss_adds_grad_w_into_main_grad_from_kept_memory():
-    """With a ChunkBuffer and a weight carrying megatron's `main_grad`, grad(W) is computed into
-    memory the buffer keeps and the backward adds it (scaled) to main_grad itself: w.grad stays
-    None, main_grad gets what DDP's hook would have added, and the memory serves the next call.
-    A second forward while the first still holds it gets fresh memory and autograd's path."""
-    x, w, t = make(41, 16, 300, seed=21, vocab_size=290)
-    g = torch.Generator().manual_seed(22)
-    weights = torch.rand(41, generator=g) + 0.5
-
-    def loss_fn(pos, lp, ent):
-        return -(lp * weights[pos]).sum() - 0.1 * (ent * weights[pos]).sum()
-
-    def run(buf, main_grad, scale):
-        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-        if main_grad is not None:
-            wr.main_grad = main_grad
-        loss, _, _ = linear_token_loss(xr, wr, t, loss_fn, vocab_size=290, chunk_size=8, with_entropy=True,
-                                       chunk_buffer=buf)
-        (loss * scale).backward()
-        return loss, xr.grad, wr.grad
-
-    ref_loss, ref_gx, ref_gw = run(None, None, 0.3)  # autograd's path, fresh memory
-    buf = fused_head.ChunkBuffer()
-    start = torch.randn(300, 16, generator=g)
-    main_grad = start.clone()
-    loss, gx, gw = run(buf, main_grad, 0.3)
-    assert gw is None and buf._grad is not None and buf._grad_owner is None  # handed back
-    assert torch.equal(loss, ref_loss) and torch.equal(gx, ref_gx)
-    assert torch.equal(main_grad, start + ref_gw)  # the same add the hook makes
-    memory = buf._grad
-    run(buf, main_grad, 0.3)
-    assert buf._grad is memory  # served again, not reallocated
-    torch.testing.assert_close(main_grad, start + 2 * ref_gw)
-
-    # two forwards before their backwards: the second one gets fresh memory, handed to autograd
-    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
-    wa.main_grad = torch.zeros(300, 16)
-    la, _, _ = linear_token_loss(xa, wa, t, loss_fn, vocab_size=290, chunk_size=8, with_entropy=True, chunk_buffer=buf)
-    lb, _, _ = linear_token_loss(xa, wa, t, loss_fn, vocab_size=290, chunk_size=8, with_entropy=True, chunk_buffer=buf)
-    (0.3 * la).backward()
-    (0.3 * lb).backward()
-    assert torch.equal(wa.main_grad, ref_gw) and torch.equal(wa.grad, ref_gw)
-    # a forward whose graph is dropped without a backward gives the memory back
-    lc, _, _ = linear_token_loss(xa, wa, t, loss_fn, vocab_size=290, chunk_size=8, with_entropy=True, chunk_buffer=buf)
-    assert buf._grad_owner is not None
-    del lc
-    assert buf._grad_owner() is None
-    buf.release()
-    assert buf._grad is None
 
 
 def test_input_validation():
@@ -384,15 +276,11 @@ VOCAB, SEQ, GBS, MBS, PROMPT = 100, 12, 4, 2, 5  # vocab 100: TP padding (128)
 
 
 def _role_body(rank, world, tp, pp):
-    from unittest import mock
-
     from megatron.core import parallel_state as ps
 
     from megarl.config import LRScheduleConfig, ModelConfig, OptimConfig, ParallelConfig
-    from megarl.models import gpt
     from megarl.models.gpt import HeadStates
     from megarl.models.layout import gather_full_state_dict
-    from megarl.ops import ChunkBuffer
     from megarl.roles.role import Role
     from megarl.runtime.distributed import init_distributed, teardown
     from megarl.trainers.common import dp_microbatches, token_logprobs
@@ -408,8 +296,6 @@ def _role_body(rank, world, tp, pp):
         loss_sum = -(lp * b["mask"]).sum() - 0.1 * (ent * b["mask"]).sum()
         count = b["mask"].sum().to(torch.int)
         return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), count.double()])}
-
-    real_lookup_backward = gpt._LookupIntoMainGrad.backward
 
     def logits_loss(b, logits):
         from megarl.models.gpt import mask_padded_vocab
@@ -429,12 +315,10 @@ def _role_body(rank, world, tp, pp):
         def token_loss(pos, lp, ent):
             return -(lp * w[pos]).sum() - 0.1 * (ent * w[pos]).sum()
 
-        loss_sum, _, _ = head_token_loss(head, b["labels"], token_loss, with_entropy=True, chunk_size=3,
-                                         chunk_buffer=chunk_buffer)  # grad(W) straight into main_grad
+        loss_sum, _, _ = head_token_loss(head, b["labels"], token_loss, with_entropy=True, chunk_size=3)
         count = b["mask"].sum().to(torch.int)
         return loss_sum, count, {"loss": torch.stack([loss_sum.detach(), count.double()])}
 
-    chunk_buffer = ChunkBuffer()
     out = {}
     for tied in (False, True):
         model = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
@@ -448,16 +332,8 @@ def _role_body(rank, world, tp, pp):
             "logits": roles["logits"].forward_collect(mbs, lambda b, o: token_logprobs(o, b["labels"], VOCAB)),
             "fused": roles["fused"].forward_collect(fused_mbs, lambda b, o: head_logprobs(o, b["labels"])[0]),
         }
-        # the reference: autograd's dense embedding gradient, added to main_grad by DDP's hook (the
-        # other two add the looked-up rows' gradients into main_grad themselves: models/gpt.py)
-        with mock.patch.object(gpt, "_embedding_grad_direct", lambda model: False):
-            logits_step = roles["logits"].train_step(mbs, logits_loss).metrics["loss"]
-        direct = []
-        with mock.patch.object(gpt._LookupIntoMainGrad, "backward",
-                               staticmethod(lambda ctx, g: direct.append(1) or real_lookup_backward(ctx, g))):
-            fused_step = roles["fused"].train_step(fused_mbs, fused_loss).metrics["loss"]
-        assert len(direct) == (len(mbs) if ps.is_pipeline_first_stage() else 0), direct  # one per micro-batch
-        steps = {"logits": logits_step, "fused": fused_step,
+        steps = {"logits": roles["logits"].train_step(mbs, logits_loss).metrics["loss"],
+                 "fused": roles["fused"].train_step(fused_mbs, fused_loss).metrics["loss"],
                  "folded": roles["folded"].train_step(fused_mbs, folded_loss).metrics["loss"]}
         params = {k: gather_full_state_dict(r.model, VOCAB) for k, r in roles.items()}
         out[tied] = {"collected": collected, "loss": steps, "params": params}

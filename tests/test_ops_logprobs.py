@@ -16,7 +16,6 @@ from dist_helpers import run_distributed
 from megarl.ops import kernel_backend, logprobs_and_entropy
 from megarl.ops import logprobs as lp_mod
 
-pytestmark = pytest.mark.usefixtures("row_path")  # every test on both CPU row paths (conftest.py)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 VAL_TOL = dict(rtol=2e-5, atol=2e-5)
@@ -260,79 +259,3 @@ def test_tensor_parallel_equals_unsharded(world):
         x64, rlp, rent = reference(x, t, temperature)                    # and float64
         ((rlp * a).sum() + (rent * b).sum()).backward()
         torch.testing.assert_close(grad.double(), x64.grad, **GRAD_TOL[x.dtype])
-
-
-@pytest.mark.parametrize("with_moment", [True, False])
-@pytest.mark.parametrize("inv_temp", [1.0, 1.25])
-def test_cpu_kernel_row_passes_match_torch(with_moment, inv_temp, row_path):
-    """megarl._cpu's logprob_stats / logprob_grad against the torch path on one chunk: -inf and
-    -1e30 (padding) columns, ignored and off-shard targets, a strided chunk, the gradient written
-    over its own logits; padding columns get exactly zero gradient."""
-    if row_path == "torch":
-        pytest.skip("compares the kernel with torch")
-    from megarl.models import cpu_kernels
-
-    kernels = cpu_kernels.load()
-    g = torch.Generator().manual_seed(11)
-    N, n = 37, 3000
-    base = torch.randn(N, n + 5, generator=g) * 4
-    x = base[:, :n]                                     # rows strided by n + 5
-    x[:, -40:] = -1e30                                  # padding
-    x[3, 100:200] = float("-inf")                       # masked ids
-    t = torch.randint(-10, n + 10, (N,), generator=g)   # some off this shard
-    t[::5] = -100
-    cols, owned = lp_mod._target_cols(t, 0, n)
-    got = kernels.logprob_stats(x, cols, owned, inv_temp, with_moment)
-    want = torch.stack(_torch_stats(x, t, inv_temp, with_moment))
-    torch.testing.assert_close(got[[0, 1, 3]], want[[0, 1, 3]], rtol=2e-6, atol=1e-6)
-    if with_moment:
-        torch.testing.assert_close(got[2], want[2], rtol=2e-5, atol=2e-5)
-    else:
-        assert got[2].isnan().all()
-
-    m, s = want[0], want[1]
-    lse = m + torch.log(s)
-    ent = torch.rand(N, generator=g) * 3
-    g_lp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
-    for ge in (g_ent, None):
-        with_kernel = lp_mod._grad_torch(x, t, lse, ent, g_lp, ge, 0, inv_temp, -100)
-        torch_grad = _torch_grad(x, t, lse, ent, g_lp, ge, inv_temp)
-        torch.testing.assert_close(with_kernel, torch_grad, rtol=2e-5, atol=1e-7)
-        assert (with_kernel[:, -40:] == 0).all() and (with_kernel[3, 100:200] == 0).all()
-        assert (with_kernel[::5] == 0).all()  # ignored rows
-        inplace = x.clone()
-        lp_mod._grad_torch(inplace, t, lse, ent, g_lp, ge, 0, inv_temp, -100, out=inplace)
-        assert torch.equal(inplace, with_kernel)
-
-
-def _torch_stats(x, t, inv_temp, with_moment):
-    import unittest.mock
-
-    with unittest.mock.patch.object(lp_mod, "_cpu_kernels", lambda x: None):
-        return lp_mod._local_stats(x, t, 0, inv_temp, with_moment)
-
-
-def _torch_grad(x, t, lse, ent, g_lp, g_ent, inv_temp):
-    import unittest.mock
-
-    with unittest.mock.patch.object(lp_mod, "_cpu_kernels", lambda x: None):
-        return lp_mod._grad_torch(x, t, lse, ent, g_lp, g_ent, 0, inv_temp, -100)
-
-
-def test_cpu_kernel_row_passes_reject_bad_input():
-    from megarl.models import cpu_kernels
-
-    kernels = cpu_kernels.load()
-    if kernels is None:
-        pytest.skip("megarl._cpu is not built here")
-    x = torch.randn(4, 10)
-    cols, owned = torch.tensor([0, 1, 2, 3]), torch.ones(4, dtype=torch.bool)
-    with pytest.raises(RuntimeError, match=r"megarl._cpu.logprob_stats: logits must be float32"):
-        kernels.logprob_stats(x.double(), cols, owned, 1.0, True)
-    with pytest.raises(RuntimeError, match=r"logprob_stats: cols\[2\] = 10 is outside \[0, 10\)"):
-        kernels.logprob_stats(x, torch.tensor([0, 1, 10, 3]), owned, 1.0, True)
-    with pytest.raises(RuntimeError, match=r"logprob_stats: owned must be a contiguous Bool \[4\]"):
-        kernels.logprob_stats(x, cols, owned[:3], 1.0, True)
-    v = torch.zeros(4)
-    with pytest.raises(RuntimeError, match=r"logprob_grad: out \[4, 9\] must match x \[4, 10\]"):
-        kernels.logprob_grad(x, torch.empty(4, 9), v, v, None, cols, v, owned, 1.0)

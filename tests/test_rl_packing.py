@@ -88,22 +88,22 @@ def test_shared_prompt_micro_batch_holds_each_prompt_once():
     assert exp.prompt_ids() == [0, 0, 2, 0, 2, 5]
     rows = [3, 0, 2, 1, 4, 5]
     plain, shared = exp.packed_microbatch(rows), exp.packed_microbatch(rows, share_prompts=True)
-    for key in ("labels", "mask", "advantages", "columns"):
-        assert (plain[key] == shared[key]) if key == "columns" else torch.equal(plain[key], shared[key])
-    assert all(torch.equal(a, b) for a, b in zip(plain["unpack"], shared["unpack"]))
+    for key in ("labels", "mask", "advantages"):
+        assert torch.equal(plain[key], shared[key])
+    assert all(torch.equal(a, b) for a, b in zip(plain.unpack, shared.unpack))
     p4, p6 = exp.tokens[0, :4], exp.tokens[2, :6]
     r = [exp.tokens[i, exp.prompt_lens[i]:exp.lengths[i]] for i in range(6)]
     want = torch.cat([p4, r[3], r[0], r[1], p6, r[2], r[4], exp.tokens[5, :exp.lengths[5]]])  # row 3 has none
-    assert torch.equal(shared["tokens"][0], want)
-    params = shared["packed_seq_params"]
+    assert torch.equal(shared.tokens[0], want)
+    params = shared.packed_seq_params
     assert params.cu_seqlens_q.tolist() == [0, 4, 7, 12, 18, 20, 24, 32]
     assert params.prefix_of.tolist() == [-1, 0, 0, -1, 3, 3, -1]
-    assert shared["position_ids"][0].tolist() == [*range(4), *range(4, 7), *range(4, 9), *range(6), *range(6, 8),
+    assert shared.position_ids[0].tolist() == [*range(4), *range(4, 7), *range(4, 9), *range(6), *range(6, 8),
                                                  *range(6, 10), *range(8)]
     # every row's head columns read the tokens its unshared columns read: same predicted labels
-    got = shared["tokens"][0][shared["output_index"]]
-    assert torch.equal(got, plain["tokens"][0][plain["output_index"]])
-    assert shared["output_index"].tolist().count(3) == 3  # the 4-token prompt's last column, rows 3, 0, 1
+    got = shared.tokens[0][shared.output_index]
+    assert torch.equal(got, plain.tokens[0][plain.output_index])
+    assert shared.output_index.tolist().count(3) == 3  # the 4-token prompt's last column, rows 3, 0, 1
 
 
 def test_shared_prompt_plan_keeps_a_prompts_rows_together_and_counts_it_once():

@@ -272,26 +272,7 @@ def test_padded_vocabulary_never_sampled(single):
 # ------------------------------------------------------------------ sampling maths (no model)
 
 
-def _sample_rows_kernel():
-    from megarl.models import cpu_kernels
-
-    return getattr(cpu_kernels.load(), "sample_rows", None)
-
-
-@pytest.fixture(params=["torch", "kernel"])
-def draw_path(request, monkeypatch):
-    """Each sampling test on both paths of a CPU draw: torch's ops, and megarl._cpu.sample_rows
-    where it is built (csrc/cpu_sampling.cpp)."""
-    import megarl.rollout.sampling as sampling
-
-    if request.param == "torch":
-        monkeypatch.setattr(sampling, "cpu_sampler", lambda filtered: None)
-    elif _sample_rows_kernel() is None:
-        pytest.skip("megarl._cpu is not built here (no C++ compiler)")
-    return request.param
-
-
-def test_inverse_cdf_draw_matches_the_distribution(draw_path):
+def test_inverse_cdf_draw_matches_the_distribution():
     from megarl.rollout.sampling import SamplingParams, draw, filter_logits, row_uniforms
 
     g = torch.Generator().manual_seed(0)
@@ -316,7 +297,7 @@ def test_inverse_cdf_draw_matches_the_distribution(draw_path):
 
 @pytest.mark.parametrize("temperature,top_k,top_p,greedy", [(1.0, 0, 1.0, False), (0.7, 20, 0.9, False),
                                                              (0.7, 0, 1.0, True)])
-def test_single_pass_logprobs_equal_megarl_ops(temperature, top_k, top_p, greedy, draw_path):
+def test_single_pass_logprobs_equal_megarl_ops(temperature, top_k, top_p, greedy):
     """The engine's one-exp-pass draw + log-prob agrees with megarl.ops.logprobs_and_entropy."""
     from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens, sampled_logprobs
 
@@ -335,19 +316,15 @@ def test_single_pass_logprobs_equal_megarl_ops(temperature, top_k, top_p, greedy
     assert none is None and torch.equal(ids_only, ids)
 
 
-@pytest.mark.parametrize("vocab,spread", [(300, 4), (2048, 4), (5000, 4), (151936, 4), (5000, 40), (151936, 40)])
-def test_two_level_inverse_cdf_equals_one_full_cumsum(vocab, spread, draw_path):
-    """The block-then-id draw picks the same ids as one fp64 cumsum over the vocabulary (float64
-    reference), with and without zero-mass ids (top-k), whatever the vocabulary's tail block;
-    spread 40: most logits lie more than 87 below their row's max, where fp32 exp is clamped.
-    (Both paths: on these draws none falls within fp32 rounding of a token boundary.)"""
-    from megarl.rollout.sampling import _EXP_FLOOR, SamplingParams, filter_logits, row_uniforms, sample_tokens
+@pytest.mark.parametrize("vocab,spread", [(300, 4), (5000, 4), (151936, 4), (5000, 40)])
+def test_inverse_cdf_equals_a_float64_reference(vocab, spread):
+    """The draw picks the ids of a float64 inverse CDF over the vocabulary, with and without
+    zero-mass ids (top-k); spread 40: most logits lie far below their row's max (exp underflows)."""
+    from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens
 
     g = torch.Generator().manual_seed(vocab)
     for params in (SamplingParams(), SamplingParams(top_k=37, temperature=0.8)):
         logits = torch.randn(32, vocab, generator=g) * spread
-        below = (logits / params.temperature - (logits / params.temperature).amax(-1, keepdim=True) < _EXP_FLOOR)
-        assert bool(below.any()) == (spread == 40)  # the clamped case is the one under test
         filtered = filter_logits(logits, params)
         u = row_uniforms(vocab, torch.arange(32), 7)
         ids, lp = sample_tokens(filtered, params, u)
@@ -360,79 +337,13 @@ def test_two_level_inverse_cdf_equals_one_full_cumsum(vocab, spread, draw_path):
         assert torch.allclose(lp.double(), torch.log_softmax(z, -1).gather(1, ids[:, None]).squeeze(1), atol=1e-5)
 
 
-def test_kernel_draws_are_the_inverse_cdf_within_rounding():
-    """megarl._cpu.sample_rows against a float64 inverse CDF on many rows, strided logits (the
-    engine's [b, V] view of [b, 1, V_pad]), temperatures, filtered ids: every id is the
-    reference's or a neighbour picked within fp32 rounding of the boundary between them; the
-    log-probs are the float64 ones to fp32 rounding; filtered ids are never drawn."""
-    from megarl.rollout.sampling import _CDF_BLOCK, SamplingParams, filter_logits, row_uniforms
+def test_inverse_cdf_never_draws_zero_mass_at_the_edges():
+    """u at its largest (1 - 2^-40) and at 0, mass only in one id (first, inside, last): the id
+    drawn is always one of positive mass."""
+    from megarl.rollout.sampling import _inverse_cdf
 
-    op = _sample_rows_kernel()
-    if op is None:
-        pytest.skip("megarl._cpu is not built here (no C++ compiler)")
-    g = torch.Generator().manual_seed(12)
-    differ = total = 0
-    for vocab, temperature, top_k in ((151936, 1.0, 0), (32000, 0.7, 0), (5000, 1.3, 50), (1, 1.0, 0)):
-        padded = torch.randn(256, 1, vocab + 64, generator=g) * 3
-        logits = padded[:, -1, :vocab]  # a row stride of vocab + 64
-        filtered = filter_logits(logits, SamplingParams(temperature=temperature, top_k=top_k))
-        u = row_uniforms(vocab, torch.arange(256), 5)
-        ids, lp = op(filtered, u, temperature, _CDF_BLOCK)
-        z = filtered.double() / temperature
-        cdf = torch.cumsum(torch.exp(z - z.amax(-1, keepdim=True)), -1)  # [N, V]
-        target = u * cdf[:, -1]
-        ref = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1).clamp(max=vocab - 1)
-        below = torch.where(ids > 0, cdf.gather(1, (ids - 1).clamp(min=0)[:, None]).squeeze(1), torch.zeros_like(target))
-        upto = cdf.gather(1, ids[:, None]).squeeze(1)
-        slack = 1e-5 * cdf[:, -1]  # fp32 block sums, accumulated in float64
-        assert ((below <= target + slack) & (upto > target - slack)).all()
-        assert torch.isfinite(filtered.gather(1, ids[:, None])).all(), "a zero-mass id was drawn"
-        lp_ref = torch.log_softmax(z, -1).gather(1, ids[:, None]).squeeze(1)
-        assert (lp.double() - lp_ref).abs().max() < 2e-5
-        differ += int((ids != ref).sum())
-        total += len(ids)
-    assert differ <= total // 100, (differ, total)
-
-
-def test_kernel_sampler_bad_inputs_raise_one_line_errors():
-    op = _sample_rows_kernel()
-    if op is None:
-        pytest.skip("megarl._cpu is not built here (no C++ compiler)")
-    z, u = torch.randn(3, 10), torch.rand(3, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="logits must be float32"):
-        op(z.double(), u, 1.0, 4)
-    with pytest.raises(RuntimeError, match="uniforms must be a contiguous float64"):
-        op(z, u.float(), 1.0, 4)
-    with pytest.raises(RuntimeError, match="temperature must be > 0"):
-        op(z, u, 0.0, 4)
-
-
-def test_exp_below_max_is_exp_with_filtered_ids_at_exactly_zero():
-    from megarl.rollout.sampling import _EXP_FLOOR, _exp_below_max
-
-    g = torch.Generator().manual_seed(2)
-    z = torch.randn(8, 3000, generator=g) * 40
-    z[:4, ::3] = float("-inf")  # filtered ids in half of the rows
-    zmax = z.amax(-1, keepdim=True)
-    e = _exp_below_max(z, zmax)
-    x = (z - zmax).double()
-    assert torch.equal(e[torch.isneginf(z)], torch.zeros(int(torch.isneginf(z).sum())))
-    kept = x >= _EXP_FLOOR
-    assert torch.allclose(e[kept].double(), torch.exp(x[kept]), rtol=2e-7, atol=0)
-    low = torch.isfinite(x) & ~kept
-    assert low.any() and (e[low] == torch.exp(torch.tensor(_EXP_FLOOR))).all()
-    narrow = torch.randn(3, 50, generator=g)  # within the floor: plain exp
-    assert torch.equal(_exp_below_max(narrow, narrow.amax(-1, keepdim=True)),
-                       torch.exp(narrow - narrow.amax(-1, keepdim=True)))
-
-
-def test_two_level_inverse_cdf_never_draws_zero_mass_at_the_edges():
-    """u at its largest (1 - 2^-40) and at 0, mass only in the last id of a block or of the tail:
-    the id drawn is always one of positive mass."""
-    from megarl.rollout.sampling import _CDF_BLOCK, _inverse_cdf
-
-    V = 3 * _CDF_BLOCK + 17
-    for hot in (0, _CDF_BLOCK - 1, _CDF_BLOCK, 2 * _CDF_BLOCK + 5, V - 1):
+    V = 3 * 2048 + 17
+    for hot in (0, 2047, 2048, 2 * 2048 + 5, V - 1):
         e = torch.zeros(2, V)
         e[:, hot] = 1.0
         e[1, V - 1] = 1e-30  # a second, tiny mass after it

@@ -11,7 +11,6 @@ megarl_use_venv  # no venv active: the repository's .venv, which setup.sh fills
 launchers/local/setup.sh
 # shellcheck source=launchers/lib.sh
 source launchers/lib.sh
-megarl_cpu_allocator_env  # on CPU: huge-page-backed malloc for the big per-step tensors
 NPROC="${NPROC:-1}"
 RUN_DIR="${RUN_DIR:-runs/quickstart}"
 if [ "$NPROC" = 1 ]; then launch=(megarl); else launch=(python3 -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m megarl.cli.main); fi

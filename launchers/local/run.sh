@@ -12,7 +12,6 @@
 # Ctrl-C / SIGTERM / SIGUSR1: the trainer checkpoints at its next step boundary and this exits
 # 75; run the same command again (same train.run_dir) to resume. MEGARL_DEVICE=cpu selects
 # gloo on CPU; MEGARL_TORCHRUN_ARGS adds torchrun options (e.g. "--log-dir logs/ranks --tee 3").
-# CPU runs get GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (MEGARL_CPU_MALLOC=default: not).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=launchers/lib.sh
@@ -51,7 +50,6 @@ check_command() {
         ${overrides[@]+"${overrides[@]}"} > /dev/null
 }
 [ "$1" = "--" ] || check_command "$@" || exit $?
-megarl_cpu_allocator_env  # CPU runs: huge-page-backed malloc for the big per-step tensors (lib.sh)
 read -r -a EXTRA <<< "${MEGARL_TORCHRUN_ARGS:-}"
 read -r -a TORCHRUN <<< "$(megarl_torchrun)"
 export MEGARL_REQUEUE_EXIT_CODE=$MEGARL_REQUEUE_EXIT

@@ -1,6 +1,6 @@
 """The learning rules as pure functions: tensors in, tensors out (see losses.py); each RL
 algorithm is defined once in spec.py."""
-from .advantages import (broadcast_to_tokens, clip_rewards, gae_advantages, grpo_advantages, reinforce_advantages,
+from .advantages import (broadcast_to_tokens, clip_rewards, gae, gae_advantages, grpo_advantages, reinforce_advantages,
                          reinforce_pp_returns, rloo_advantages, token_rewards, whiten)
 from .dapo import groups_with_signal, overlong_penalty
 from .kl import KL_KINDS, AdaptiveKLController, FixedKLController, kl_estimate
@@ -12,7 +12,7 @@ from .spec import (ALGORITHMS, FIELD_USERS, AdvantageSettings, AlgorithmSpec, al
 __all__ = [
     "AGG_MODES", "ALGORITHMS", "REWARD_POOLING", "FIELD_USERS", "KL_KINDS", "AdaptiveKLController", "AdvantageSettings",
     "AlgorithmSpec", "FixedKLController", "aggregate", "algorithm", "bradley_terry", "broadcast_to_tokens",
-    "clip_rewards", "compute_advantages", "config_errors", "explained_variance", "gae_advantages", "groups_with_signal",
+    "clip_rewards", "compute_advantages", "config_errors", "explained_variance", "gae", "gae_advantages", "groups_with_signal",
     "grpo_advantages", "kl_estimate", "masked_mse", "masked_nll", "needed_roles", "overlong_penalty", "ppo_policy_loss",
     "ppo_token_loss", "reinforce_advantages", "reinforce_pp_returns", "rloo_advantages", "sequence_reward",
     "token_rewards", "token_weights", "value_loss", "whiten",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megarl.ops import gae
 
 
 def _moments(values: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,7 +77,7 @@ def reinforce_pp_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma:
     """REINFORCE++ (Hu 2025): the discounted return-to-go per token, [B, T], 0 where masked.
 
     token_rewards, mask: [B, T] (rewards typically from token_rewards(): score at the last token
-    minus the KL penalty). The return is GAE with values 0 and lambda 1 (megarl.ops.gae), so a
+    minus the KL penalty). The return is GAE with values 0 and lambda 1 (`gae`), so a
     hole in the mask is skipped, not an end. REINFORCE++ then whitens it over the global batch
     (spec.py applies whitening for every algorithm alike).
     """
@@ -86,9 +85,38 @@ def reinforce_pp_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma:
     return returns
 
 
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over [B, T] responses, walking each row's valid tokens
+    backwards: delta_t = r_t + gamma V_next - v_t, A_t = delta_t + gamma lam A_next, R_t = A_t + v_t,
+    where "next" is the next valid token and V_next = A_next = 0 after the last one, so nothing
+    leaks past a response. A masked token inside a response (a tool observation) is skipped, not
+    an end. Returns (advantages, returns), fp32 (fp64 for fp64 inputs), 0 where masked; no
+    gradient. One step per column: GAE is a few ms of an RL step. (On CUDA tensors
+    `megarl.ops.gae` runs the same recurrence as one kernel.)"""
+    if rewards.dim() != 2 or rewards.shape != values.shape or rewards.shape != mask.shape:
+        raise ValueError(f"rewards, values and mask must all be [B, T]; got {tuple(rewards.shape)}, "
+                         f"{tuple(values.shape)}, {tuple(mask.shape)}")
+    dt = torch.float64 if torch.float64 in (rewards.dtype, values.dtype) else torch.float32
+    m = mask.to(device=rewards.device, dtype=torch.bool)
+    with torch.no_grad():
+        r = torch.where(m, rewards.to(dt), 0.0)
+        v = torch.where(m, values.to(dt), 0.0)
+        adv = torch.zeros_like(r)
+        next_value = r.new_zeros(r.shape[0])
+        next_adv = r.new_zeros(r.shape[0])
+        for t in reversed(range(r.shape[1])):
+            mt = m[:, t]
+            a = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * next_adv
+            adv[:, t] = torch.where(mt, a, 0.0)
+            next_value = torch.where(mt, v[:, t], next_value)
+            next_adv = torch.where(mt, a, next_adv)
+        return adv, adv + v
+
+
 def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                    gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's GAE (Schulman et al. 2016) with megarl.ops: (advantages, returns), each [B, T], 0 where masked.
+    """PPO's GAE (Schulman et al. 2016): (advantages, returns), each [B, T], 0 where masked.
 
     The advantages are not whitened here; call whiten() on them (PPO usually does).
     """

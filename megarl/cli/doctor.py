@@ -189,22 +189,18 @@ def device_rows(devices: list[DeviceInfo]) -> list[dict]:
 
 
 def csrc_status(find_spec: Callable = importlib.util.find_spec) -> dict:
-    """Whether megarl._C (csrc/'s CUDA kernels) is built into this install, loading it needs a CUDA
-    device too; and under "cpu", whether megarl._cpu (the CPU decode-attention and LM-head kernels) is."""
+    """Whether megarl._C (csrc/'s CUDA kernels) is built into this install; loading it needs a CUDA
+    device too."""
     def spec_of(name):
         try:
             return find_spec(name)
         except (ImportError, ValueError):
             return None
 
-    spec, cpu = spec_of("megarl._C"), spec_of("megarl._cpu")
-    out = ({"built": True, "detail": f"megarl._C at {spec.origin}"} if spec is not None else
+    spec = spec_of("megarl._C")
+    return ({"built": True, "detail": f"megarl._C at {spec.origin}"} if spec is not None else
            {"built": False, "detail": "megarl._C is not built: setup.py compiles csrc/ only with a CUDA toolkit and "
                                       "a CUDA torch (pip install --no-build-isolation -e '.[gpu]'); ops use torch"})
-    out["cpu"] = ({"built": True, "detail": f"megarl._cpu at {cpu.origin}"} if cpu is not None else
-                  {"built": False, "detail": "megarl._cpu is not built (no C++ compiler at install, or its compile "
-                                             "failed: see pip's output); CPU generation uses torch's SDPA and GEMMs"})
-    return out
 
 
 # ------------------------------------------------------------------------------------ GPU checks
@@ -426,10 +422,6 @@ def format_report(report: dict) -> str:
         lines.append(f"  none: {report['no_device']}")
     c = report["csrc"]
     lines.append(f"csrc extension: {'built' if c['built'] else 'not built'} ({c['detail']})")
-    cpu = c.get("cpu") or {}
-    if cpu:
-        lines.append(f"CPU kernels (decode attention, LM head): {'built' if cpu['built'] else 'not built'} "
-                     f"({cpu['detail']})")
     lines += ["", "GPU checks:"]
     for ch in report["checks"]:
         took = f" [{ch['seconds']:.0f} s]" if ch["seconds"] >= 1 else ""

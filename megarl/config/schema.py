@@ -176,12 +176,6 @@ class TrainConfig:
     steps: int = 50
     seed: int = 1234
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    # bf16/fp16 GEMMs on a CPU device: "native" runs torch's half kernels; "fp32" upcasts the
-    # operands, runs fp32 sgemm and rounds the result once (the half kernel's arithmetic up to
-    # summation order): faster on CPUs whose half kernels are slower than fp32 (an Intel Xeon
-    # without AMX: 1.4x a bf16 RL step), slower on others (AMD Zen 4); bench/bench_gemm_floor.py
-    # tells which. No effect on a GPU or on fp32 weights (megarl.models.cpu_gemm).
-    cpu_half_gemm: Literal["native", "fp32"] = "native"
     fp8: FP8Config = field(default_factory=FP8Config)  # FP8 GEMMs (Hopper+): train.fp8.format=e4m3
     log_interval: int = 5
     eval_interval: int = 25  # 0 disables evaluation
@@ -268,7 +262,7 @@ class RLConfig:
     fused_head: bool = True
     # scoring and training micro-batches as rows packed into one sequence (attention within rows):
     # no padding; needs megarl's attention on the local layer spec (no TE, no sequence parallel).
-    # Pays on CPU; on an H100 it made the actor's scoring and training 3-4x slower (benchmarks.md)
+    # Off by default: it attends row by row, which suits a CPU and is slower than padded SDPA on a GPU
     packing: bool = False
     # with packing: the samples of a prompt share it, once per micro-batch, as the prefix their
     # responses attend to: the prompt's tokens go through the layers once per micro-batch, not

@@ -13,12 +13,11 @@ Preference pairs contrast the worked solution with a plausible wrong one (`Synth
   "slip":    one step's result is off by 1-2 and later steps carry it forward.
 Either way the error reaches the final answer and the solution keeps its shape. Slips are the
 harder pairs for a reward model, which has to redo the arithmetic: the quickstart's 4-layer,
-hidden-128 RM reaches 0.80 held-out pair accuracy on them after 800 steps, where operand
-pairs reach 0.99 (docs/benchmarks.md, "Reward model on the synthetic pairs").
+hidden-128 RM learns them more slowly than operand pairs (docs/benchmarks.md, "Reward model").
 `sft_mistakes` puts the same kind of mistake into that share of the train split's SFT
 demonstrations (a noisy teacher, as real SFT data has one): the SFT model then samples such
 mistakes at temperature 1, and RL with the rule reward or the RM has room to remove them (the
-tiny recipes use 0.3; docs/benchmarks.md, "RL on the synthetic task").
+tiny recipes use 0.3).
 `calculator` makes that share of the SFT demonstrations (both splits; only the correct ones) write
 each product as a calculator call, GSM8K's `<<23*47=1081>>` (megarl/rollout/tools.py: the model
 writes `<<23*47=`, the tool answers `1081>>`, an observation the SFT loss leaves out). With a large

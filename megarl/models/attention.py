@@ -1,17 +1,15 @@
 """megarl's self-attention for the layer spec: megatron-core's `SelfAttention` with a cat-free
 RoPE, torch SDPA, and a KV cache that holds keys *after* RoPE.
 
-Why it exists (measured, docs/benchmarks.md):
+Why it exists:
 - megatron-core's static KV cache stores keys before RoPE and re-rotates the whole cached key
   tensor in every layer at every decode step (cost grows with cached tokens), and its cache
   layout [S, B, g, d] makes the decode-time attention read keys with a B*g*d stride
-  (2.6x slower SDPA than [B, g, S, d] at 192 cached tokens, 64 rows, 1 CPU thread);
+  (a slower SDPA than a [B, g, S, d] cache);
 - its RoPE (`_apply_rotary_pos_emb_bshd`) runs a `cat` for rotate-half and another to re-attach
   an (empty) pass-through part, for q and k in every layer;
 - its local `DotProductAttention` repeats KV heads for GQA and runs baddbmm + masked softmax +
-  bmm unfused;
-- on a CPU, SDPA of one query token over the cache reads it at 6-10 GB/s; decode steps there go
-  to megarl._cpu's kernel (`decode_attention.py`) when it is built.
+  bmm unfused.
 
 The parameters, their names and the qkv/proj layers are megatron-core's (`linear_qkv`,
 `linear_proj`, q/k norms come from the spec), so checkpoints, TP sharding, sequence parallel
@@ -32,8 +30,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from megarl.models.decode_attention import decode_attention
 
 
 class _Rope(torch.autograd.Function):
@@ -102,19 +98,22 @@ def _rows_packed(packed) -> bool:
 
 
 @functools.cache
-def _prefix_params_class():
-    """PackedSeqParams with `prefix_of` ([segments] int32 tensor): segment j continues segment
-    prefix_of[j] (-1: none), i.e. its positions follow that segment's and its tokens attend to
-    it. A dataclass field, so that copies of the params (to a device) keep it."""
-    from dataclasses import dataclass
+def _rows_params_class():
+    """PackedSeqParams of megarl's packed rows, with two fields of its own (dataclass fields, so
+    that copies of the params to a device keep them):
+    `prefix_of` ([segments] int32 tensor or None): segment j continues segment prefix_of[j]
+    (-1: none), i.e. its positions follow that segment's and its tokens attend to it;
+    `host_rows`: what the first layer of a forward read back to the host (see _packed_rows)."""
+    from dataclasses import dataclass, field
 
     from megatron.core.packed_seq_params import PackedSeqParams
 
     @dataclass
-    class PrefixPackedSeqParams(PackedSeqParams):
+    class RowsPackedSeqParams(PackedSeqParams):
         prefix_of: Tensor = None
+        host_rows: tuple = field(default=None, repr=False, compare=False)
 
-    return PrefixPackedSeqParams
+    return RowsPackedSeqParams
 
 
 def packed_rows_params(lengths: list[int], prefix_of: list[int] | None = None):
@@ -122,25 +121,24 @@ def packed_rows_params(lengths: list[int], prefix_of: list[int] | None = None):
     module's attention: each segment attends causally within itself, and, where prefix_of[j] = p
     >= 0, to all of segment p before it (p itself continues no segment). This is how the samples
     of a prompt share it: one segment holds the prompt, one per sample its response."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
     seen = [(n + (lengths[p] if p >= 0 else 0)) for n, p in zip(lengths, prefix_of or [-1] * len(lengths))]
     kw = dict(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(seen, default=0),
               max_seqlen_kv=max(seen, default=0))
     if not prefix_of or all(p < 0 for p in prefix_of):
-        return PackedSeqParams(**kw)
+        return _rows_params_class()(**kw)
     if len(prefix_of) != len(lengths) or any(p >= 0 and (p >= j or prefix_of[p] >= 0) for j, p in enumerate(prefix_of)):
         raise ValueError(f"prefix_of must name an earlier segment that continues none, got {prefix_of}")
-    return _prefix_params_class()(**kw, prefix_of=torch.tensor(prefix_of, dtype=torch.int32))
+    return _rows_params_class()(**kw, prefix_of=torch.tensor(prefix_of, dtype=torch.int32))
 
 
 def _packed_rows(packed, device: torch.device) -> tuple[list[int], Tensor, list[int] | None]:
     """The segment offsets (host ints), each token's position ([T] on `device`) and each
     segment's prefix segment (host ints, or None) of a packed micro-batch, computed by its first
-    layer and kept on the PackedSeqParams for the others: one host read per forward, not one per
-    layer."""
-    rows = getattr(packed, "_megarl_rows", None)
+    layer and kept on megarl's params (`host_rows`) for the others: one host read per forward, not
+    one per layer (per layer for another PackedSeqParams)."""
+    own = isinstance(packed, _rows_params_class())
+    rows = packed.host_rows if own else None
     if rows is None or rows[0] is not packed.cu_seqlens_q or rows[2].device != device:
         cu = packed.cu_seqlens_q.tolist()
         prefix_of = getattr(packed, "prefix_of", None)
@@ -148,7 +146,9 @@ def _packed_rows(packed, device: torch.device) -> tuple[list[int], Tensor, list[
         starts = [0 if prefix_of is None or prefix_of[j] < 0 else cu[prefix_of[j] + 1] - cu[prefix_of[j]]
                   for j in range(len(cu) - 1)]
         positions = torch.cat([torch.arange(a, a + e - s) for a, s, e in zip(starts, cu, cu[1:])]).to(device)
-        rows = packed._megarl_rows = (packed.cu_seqlens_q, cu, positions, prefix_of)
+        rows = (packed.cu_seqlens_q, cu, positions, prefix_of)
+        if own:
+            packed.host_rows = rows
     return rows[1], rows[2], rows[3]
 
 
@@ -260,10 +260,7 @@ def self_attention_class():
             """Static-batching KV cache of rotated keys, layout [B, g, S, d] per layer.
 
             Positions are the cache offsets (as in megatron-core's static inference): the
-            engine's left padding stays exact because RoPE is relative. A context that carries
-            `prefix_rows` ([b] long) and `prefix_len` (the rollout engine's, when the samples of
-            a prompt share it) lets the decode kernel read each row's first prefix_len positions
-            from the first row of its group, which holds the same values.
+            engine's left padding stays exact because RoPE is relative.
             """
             sq, b, n, d = query.shape
             start, b0 = ctx.sequence_len_offset, ctx.batch_size_offset
@@ -283,11 +280,7 @@ def self_attention_class():
             if mask is None and sq > 1 and start > 0:  # chunked prefill: causal, bottom-right aligned
                 mask = torch.ones(sq, end, dtype=torch.bool, device=query.device).triu_(start + 1)
             query, scale = query.permute(1, 2, 0, 3), self._softmax_scale(d)  # [b, n, sq, d]
-            prefix_rows = getattr(ctx, "prefix_rows", None) if b0 == 0 else None
-            out = decode_attention(query, keys, values, mask, scale=scale, prefix_rows=prefix_rows,
-                                   prefix_len=getattr(ctx, "prefix_len", 0)) if sq == 1 else None  # megarl._cpu
-            if out is None:  # prefill, GPUs, or no kernel
-                out = sdpa(query, keys, values, mask, causal=start == 0 and sq > 1, scale=scale)
+            out = sdpa(query, keys, values, mask, causal=start == 0 and sq > 1, scale=scale)
             return out.permute(2, 0, 1, 3).reshape(sq, b, n * d)
 
     return MegarlSelfAttention

@@ -138,56 +138,6 @@ class HeadStates:
     hidden_grad_reduced: bool   # grad(hidden) is summed over TP by the sequence-parallel gather
 
 
-class _LookupIntoMainGrad(torch.autograd.Function):
-    """F.embedding(ids, weight) whose backward adds each looked-up row's gradient into
-    `weight.main_grad` (megatron DDP's accumulation buffer) with one index_add_, instead of
-    building the dense [V/tp, h] gradient that DDP's hook then adds there. On a CPU that dense
-    tensor is a fresh mapping first-touched page by page: at 152k x 256 its zero fill took 0.18 s
-    per micro-batch (docs/benchmarks.md). CPU only: index_add_ on a GPU is not deterministic."""
-
-    @staticmethod
-    def forward(ctx, ids, weight):
-        ctx.save_for_backward(ids)
-        ctx.weight = weight
-        return F.embedding(ids, weight)  # [..., h]
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        (ids,) = ctx.saved_tensors
-        main_grad = ctx.weight.main_grad  # [V/tp, h]
-        main_grad.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype))
-        return None, None  # nothing for autograd to add: megarl's DDP runs without overlap_grad_reduce
-
-
-class _EmbeddingGradIntoMainGrad(torch.overrides.TorchFunctionMode):
-    """Within it, megatron-core's word-embedding lookup (`F.embedding(ids, weight)` on this weight)
-    runs as _LookupIntoMainGrad; every other call is unchanged."""
-
-    def __init__(self, weight):
-        super().__init__()
-        self.weight = weight
-
-    # F.embedding hands its keywords on: only a plain lookup (these defaults) is taken over
-    PLAIN = {"padding_idx": None, "max_norm": None, "norm_type": 2.0, "scale_grad_by_freq": False, "sparse": False}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (func is F.embedding and len(args) == 2 and args[1] is self.weight
-                and all(self.PLAIN.get(k, object()) == v for k, v in kwargs.items())):
-            return _LookupIntoMainGrad.apply(*args)
-        return func(*args, **kwargs)
-
-
-def _embedding_grad_direct(model) -> bool:
-    """Whether this forward looks its tokens up through _LookupIntoMainGrad: a training forward
-    (grad enabled) of a DDP-wrapped model's first stage on a CPU."""
-    if not (torch.is_grad_enabled() and model.pre_process):  # decode steps stop here
-        return False
-    w = model.embedding.word_embeddings.weight
-    return w.device.type == "cpu" and w.requires_grad and getattr(w, "main_grad", None) is not None
-
-
 @functools.cache
 def gpt_model_class():
     """megatron-core's GPTModel returning logits as a [b, s, V] VIEW of the output layer's [s, b, V],
@@ -209,9 +159,6 @@ def gpt_model_class():
     `model(..., return_hidden=True)` (LM head) returns `HeadStates` instead of logits: the
     final hidden states of those columns and the output weight, for the fused head op. Under
     sequence parallelism the hidden states are gathered as ColumnParallelLinear gathers them.
-
-    On a CPU, a training forward of a DDP-wrapped model looks its tokens up through
-    `_LookupIntoMainGrad`: their gradient rows go straight into the word embedding's main_grad.
     """
     from megatron.core.config_logger import has_config_logger_enabled
     from megatron.core.models.gpt import GPTModel
@@ -221,9 +168,11 @@ def gpt_model_class():
         output_index = None  # likewise: [k] columns the head runs on (packed rows), instead of output_from
         return_hidden = False  # likewise
         fp8_rollout = "bf16"  # train.fp8.rollout: the GEMM precision of generation (KV-cache) steps
+        megarl_head = "lm"  # "lm" or "scalar" (critic, reward model), set by build_model
+        megarl_vocab_size = None  # the real vocabulary (the output layer's columns past it are padding)
 
         def forward(self, *args, output_from: int = 0, return_hidden: bool = False, output_index=None, **kw):
-            if return_hidden and getattr(self, "megarl_head", "lm") != "lm":
+            if return_hidden and self.megarl_head != "lm":
                 raise ValueError("return_hidden=True needs the LM head (the scalar head has no vocabulary)")
             self.output_from, self.return_hidden, self.output_index = int(output_from), bool(return_hidden), output_index
             generating = kw.get("inference_context") is not None or kw.get("inference_params") is not None
@@ -233,12 +182,6 @@ def gpt_model_class():
                     return super().forward(*args, **kw)
             finally:
                 self.output_from, self.return_hidden, self.output_index = 0, False, None
-
-        def _preprocess(self, *args, **kw):
-            if not _embedding_grad_direct(self):
-                return super()._preprocess(*args, **kw)
-            with _EmbeddingGradIntoMainGrad(self.embedding.word_embeddings.weight):
-                return super()._preprocess(*args, **kw)
 
         def _postprocess(self, hidden_states, *args, **kw):
             c = self.output_from

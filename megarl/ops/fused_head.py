@@ -12,14 +12,10 @@ peak extra memory is about two chunks' logits whatever the token count (when eve
 one chunk, the forward keeps that chunk for the backward instead of recomputing it).
 Same maths (and same dtypes: the GEMM runs in the inputs' dtype, the statistics in fp32) as
 output layer -> `mask_padded_vocab` -> `logprobs_and_entropy`.
-On a CPU every chunk of a call is written into one buffer (fresh memory costs page faults), and a
-`ChunkBuffer` passed by the caller keeps that buffer from one call to the next.
 `linear_token_loss` takes the loss into the op instead, when each token's term reads its own
 log-prob and entropy only (RL's policy losses, NLL): each chunk's logits become their gradient in
 the forward, so nothing is recomputed (three GEMMs, not four).
 """
-import weakref
-
 import torch
 import torch.nn.functional as F
 
@@ -41,7 +37,7 @@ _PAD_LOGIT = -1e30
 
 def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab_size=None, temperature=1.0,
                                 with_entropy=True, ignore_index=IGNORE_INDEX, chunk_size=None,
-                                reduce_hidden_grad=True, chunk_buffer=None):
+                                reduce_hidden_grad=True):
     """log p(target) and the entropy of softmax(hidden @ weight.T / temperature), per token.
 
     hidden: [..., h] (e.g. [b, s, h] or [T, h]; strided views such as a [b, s, h] transpose of
@@ -56,8 +52,6 @@ def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab
         ColumnParallelLinear does through `copy_to_tensor_model_parallel_region`. Pass False when
         the caller's hidden states come through a region function whose backward already sums
         over TP (sequence parallelism: `gather_from_sequence_parallel_region`'s reduce-scatter).
-    chunk_buffer: a ChunkBuffer whose memory a call without a backward to come (scoring) writes
-        its logits into, kept for the next call (CPU only; see ChunkBuffer).
     Returns (logprob [...], entropy [...] or None), fp32, differentiable w.r.t. hidden and weight.
     """
     x, t, restore = _checked_rows(hidden, weight, targets, temperature, chunk_size)
@@ -68,8 +62,7 @@ def linear_logprobs_and_entropy(hidden, weight, targets, *, tp_group=None, vocab
     lp, ent = _FusedLinearLogProbs.apply(
         x, weight, t, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
         1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad), backward_may_come,
-        bool(with_entropy),  # False: the entropy (NaN) is neither returned nor differentiated
-        None if backward_may_come else chunk_buffer)  # a forward may keep its logits for the backward
+        bool(with_entropy))  # False: the entropy (NaN) is neither returned nor differentiated
     return restore(_all_rows(kept, lp, N)), (restore(_all_rows(kept, ent, N)) if with_entropy else None)
 
 
@@ -123,7 +116,7 @@ def _vocab_layout(weight, tp_group, vocab_size, chunk_size):
 
 
 def head_logprobs(head, labels, *, temperature=1.0, with_entropy=False, ignore_index=IGNORE_INDEX,
-                  chunk_size=None, chunk_buffer=None):
+                  chunk_size=None):
     """`linear_logprobs_and_entropy` on what a model returns with `return_hidden=True`
     (`megarl.models.gpt.HeadStates`: hidden [b, s - c, h], the output weight, the TP group, the
     real vocabulary, whether grad(hidden) is already summed over TP). labels: [b, s - c].
@@ -131,12 +124,11 @@ def head_logprobs(head, labels, *, temperature=1.0, with_entropy=False, ignore_i
     return linear_logprobs_and_entropy(
         head.hidden, head.weight, labels, tp_group=head.tp_group, vocab_size=head.vocab_size,
         temperature=temperature, with_entropy=with_entropy, ignore_index=ignore_index, chunk_size=chunk_size,
-        reduce_hidden_grad=not head.hidden_grad_reduced, chunk_buffer=chunk_buffer)
+        reduce_hidden_grad=not head.hidden_grad_reduced)
 
 
 def linear_token_loss(hidden, weight, targets, token_loss, *, tp_group=None, vocab_size=None, temperature=1.0,
-                      with_entropy=False, ignore_index=IGNORE_INDEX, chunk_size=None, reduce_hidden_grad=True,
-                      chunk_buffer=None):
+                      with_entropy=False, ignore_index=IGNORE_INDEX, chunk_size=None, reduce_hidden_grad=True):
     """A loss sum_t l_t(logp_t, entropy_t) through the output layer, its gradient taken inside
     the forward (Liger's fused linear cross-entropy, for any per-token loss).
 
@@ -153,7 +145,6 @@ def linear_token_loss(hidden, weight, targets, token_loss, *, tp_group=None, voc
     backward, which scales them by the loss's incoming gradient: three GEMMs at any token count,
     one chunk of logits at a time. The cost: grad(W) is held from the forward to the backward.
     On a GPU with more tokens than one chunk the op takes the recomputing path (see below).
-    chunk_buffer: a ChunkBuffer for the logits (CPU; nothing of it is held after the call).
     Arguments otherwise as `linear_logprobs_and_entropy`. Returns (loss 0-d fp32, differentiable
     w.r.t. hidden and weight; logprob [...] and entropy [...] or None, detached).
     """
@@ -171,132 +162,32 @@ def linear_token_loss(hidden, weight, targets, token_loss, *, tp_group=None, voc
         lp, ent = _FusedLinearLogProbs.apply(
             x, weight, t, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
             1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad), True,
-            bool(with_entropy), None)
+            bool(with_entropy))
         loss = token_loss(pos, lp, ent if with_entropy else None)
         lp, ent = lp.detach(), ent.detach()
     else:
         loss, lp, ent = _FusedLinearLoss.apply(
             x, weight, t, pos, token_loss, tp_group if tp_size > 1 else None, n * tp_rank, padded, first_pad,
             1.0 / float(temperature), int(ignore_index), int(step), bool(reduce_hidden_grad), needs_grad,
-            bool(with_entropy), chunk_buffer)
+            bool(with_entropy))
     return loss, restore(_all_rows(kept, lp, N)), (restore(_all_rows(kept, ent, N)) if with_entropy else None)
 
 
 def head_token_loss(head, labels, token_loss, *, temperature=1.0, with_entropy=False, ignore_index=IGNORE_INDEX,
-                    chunk_size=None, chunk_buffer=None):
+                    chunk_size=None):
     """`linear_token_loss` on what a model returns with `return_hidden=True` (see head_logprobs)."""
     return linear_token_loss(
         head.hidden, head.weight, labels, token_loss, tp_group=head.tp_group, vocab_size=head.vocab_size,
         temperature=temperature, with_entropy=with_entropy, ignore_index=ignore_index, chunk_size=chunk_size,
-        reduce_hidden_grad=not head.hidden_grad_reduced, chunk_buffer=chunk_buffer)
+        reduce_hidden_grad=not head.hidden_grad_reduced)
 
 
-class ChunkBuffer:
-    """The CPU memory of the fused head's logit chunks (and of its grad(W)), kept from one call
-    to the next.
-
-    Each call on a CPU writes all its chunks into one flat buffer (see _workspace); a fresh one is
-    mapped and first-touched page by page, which at V = 152k made a call's first chunk GEMM take
-    ~1.25x as long (docs/benchmarks.md). A caller making many calls in turn (the RL stage's
-    scoring and training micro-batches) holds one ChunkBuffer and passes it to each: the memory
-    (one chunk's logits, at most 256 MiB in fp32) is allocated once and stays until release().
-    Only calls that hold nothing of it when they return use it (scoring without a backward, and
-    `linear_token_loss`), so one call never overwrites another's logits.
-    `linear_token_loss` also keeps its grad(W) [V/tp, h] here when the weight has megatron's
-    `main_grad` (see _direct_grad): from its forward until its backward has added it to
-    main_grad. A second call while one holds it gets fresh memory. Not for concurrent use."""
-
-    def __init__(self):
-        self._memory = None
-        self._grad = None  # [n, h] grad(W) memory
-        self._grad_owner = None  # weakref to the autograd node holding _grad until its backward
-
-    def take(self, elems: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat CPU tensor of at least `elems` elements of `dtype` (its values are garbage)."""
-        if self._memory is None or self._memory.dtype != dtype or self._memory.numel() < elems:
-            self._memory = None  # the old one goes first: one buffer at a time
-            self._memory = torch.empty(elems, dtype=dtype)
-        return self._memory
-
-    def take_grad(self, owner, shape, dtype: torch.dtype) -> torch.Tensor | None:
-        """A CPU tensor [shape] of `dtype` (garbage values) for `owner`'s grad(W), held until
-        `owner` calls give_back_grad or is freed; None while another owner holds it."""
-        held = self._grad_owner() if self._grad_owner is not None else None
-        if held is not None:
-            return None
-        if self._grad is None or self._grad.dtype != dtype or self._grad.shape != tuple(shape):
-            self._grad = None
-            self._grad = torch.empty(shape, dtype=dtype)
-        self._grad_owner = weakref.ref(owner)
-        return self._grad
-
-    def give_back_grad(self, owner) -> None:
-        if self._grad_owner is not None and self._grad_owner() is owner:
-            self._grad_owner = None
-
-    def release(self) -> None:
-        self._memory = None
-        self._grad = None
-        self._grad_owner = None
-
-
-def _direct_grad(w, chunk_buffer) -> bool:
-    """Whether `linear_token_loss`'s backward adds grad(W) straight into `w.main_grad` (megatron
-    DDP's fp32 accumulation buffer, what its gradient hook would add it to) from memory the
-    ChunkBuffer keeps, instead of handing autograd a fresh [V/tp, h] tensor per call. On a CPU
-    that tensor is a fresh mapping first-touched page by page: at 152k x 256 its first chunk's
-    GEMM took 0.59 s against 0.37 s into touched memory (docs/benchmarks.md). megarl's DDP runs
-    without overlap_grad_reduce (roles/role.py), whose hook would need the gradient to reach it."""
-    return (chunk_buffer is not None and w.device.type == "cpu" and w.requires_grad
-            and getattr(w, "main_grad", None) is not None)
-
-
-def _workspace(x, elems: int, chunk_buffer: ChunkBuffer | None = None):
-    """One flat buffer for all the logit chunks of a call on a CPU (from `chunk_buffer` when
-    given), or None (fresh chunks). A fresh CPU tensor of chunk size (tens to hundreds of MB) is
-    mapped anew and first-touched page by page: at V = 152k that took ~20% of the chunk GEMM's time
-    (docs/benchmarks.md). A forward with a backward to come hands its buffer on to it (one chunk's
-    logits, held until then; never a ChunkBuffer's). On a GPU the caching allocator already hands
-    the same memory back."""
-    if x.device.type != "cpu" or elems <= 0:
-        return None
-    return chunk_buffer.take(elems, x.dtype) if chunk_buffer is not None else torch.empty(elems, dtype=x.dtype)
-
-
-def _chunk_logits(xc, weight, first_pad, workspace=None):
-    """[c, n] logits of one token chunk, padding columns masked (in place); written into the
-    front of `workspace` when given."""
-    if workspace is None:
-        z = F.linear(xc, weight)
-    else:
-        c, n = xc.shape[0], weight.shape[0]
-        z = torch.mm(xc, weight.t(), out=workspace[: c * n].view(c, n))
+def _chunk_logits(xc, weight, first_pad):
+    """[c, n] logits of one token chunk, padding columns masked (in place)."""
+    z = F.linear(xc, weight)
     if first_pad < z.shape[1]:
         z[:, first_pad:] = torch.finfo(z.dtype).min if z.dtype == torch.float16 else _PAD_LOGIT
     return z
-
-
-def fp32_gemm_mode():
-    """The innermost active dispatch mode that runs this CPU's half GEMMs in fp32
-    (`megarl.models.cpu_gemm.HalfGemmsInFp32`, known by its `fp32_operand` method, not by
-    importing models.cpu_gemm), else None."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    for mode in reversed(_get_current_dispatch_mode_stack()):
-        if callable(getattr(mode, "fp32_operand", None)):
-            return mode
-    return None
-
-
-def _gemm_operands(x, w):
-    """(x, w) as the chunk GEMMs read them. Where half GEMMs on this CPU run through fp32 (see
-    `fp32_gemm_mode`), their fp32 copies: the logits are then computed and kept in fp32, instead
-    of being rounded to half by the GEMM and read back into fp32 by the statistics (on a CPU each
-    conversion of a [T, V] chunk costs about as much as a pass of the softmax). Otherwise x and w."""
-    mode = fp32_gemm_mode() if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" else None
-    if mode is None:
-        return x, w
-    return mode.fp32_operand(x), mode.fp32_operand(w)
 
 
 def _chunk_stats(z, t, vocab_start, padded, ignore_index, inv_temp, with_entropy):
@@ -323,19 +214,16 @@ class _FusedLinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, t, group, vocab_start, padded, first_pad, inv_temp, ignore_index, step, reduce_grad,
-                keep_one, with_entropy, chunk_buffer):
+                keep_one, with_entropy):
         N = x.shape[0]
         m, s, mom, zt = torch.empty(4, N, dtype=torch.float32, device=x.device).unbind(0)
         # All tokens in one chunk and a backward to come: keep that chunk's logits for it instead
         # of recomputing them (the same peak, one chunk; one [N, h] x [h, n] GEMM fewer).
         keep = keep_one and N <= step
         z = None
-        xg, wg = _gemm_operands(x, w)
-        assert chunk_buffer is None or not keep_one, "a forward with a backward to come keeps its own logits"
-        workspace = _workspace(xg, min(N, step) * w.shape[0], chunk_buffer)
         for r0 in range(0, N, step):
             r1 = min(N, r0 + step)
-            z = _chunk_logits(xg[r0:r1], wg, first_pad, workspace)             # [c, n]
+            z = _chunk_logits(x[r0:r1], w, first_pad)                          # [c, n]
             stats = _chunk_stats(z, t[r0:r1], vocab_start, padded, ignore_index, inv_temp, with_entropy)
             for dst, src in zip((m, s, mom, zt), stats):
                 dst[r0:r1] = src
@@ -343,8 +231,6 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                 z = None  # dropped: the backward recomputes it
         lp, ent, lse = _reduce_and_finalize(m, s, mom, zt, t, padded, t == ignore_index, group)
         ctx.kept_logits = z
-        # a backward to come reuses the buffer (already mapped and touched) for its own chunks
-        ctx.workspace = workspace if keep_one and not keep else None
         ctx.save_for_backward(x, w, t, lse, ent)
         ctx.consts = (group, vocab_start, first_pad, inv_temp, ignore_index, step, reduce_grad)
         ctx.set_materialize_grads(False)
@@ -354,11 +240,10 @@ class _FusedLinearLogProbs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_lp, g_ent):
         x, w, t, lse, ent = ctx.saved_tensors
-        handed, ctx.workspace = ctx.workspace, None  # the forward's logits buffer (CPU), or None
         group, vocab_start, first_pad, inv_temp, ignore_index, step, reduce_grad = ctx.consts
         need_x, need_w = ctx.needs_input_grad[:2]
         if not (need_x or need_w) or (g_lp is None and g_ent is None):
-            return (None,) * 14
+            return (None,) * 13
         g_lp = None if g_lp is None else g_lp.float().contiguous()
         g_ent = None if g_ent is None else g_ent.float().contiguous()
         N, n = x.shape[0], w.shape[0]
@@ -377,20 +262,10 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             cols = n  # every logit fits in one chunk: use the forward's
         gx = None  # [N, h], fp32 while accumulating
         gw = torch.empty_like(w, memory_format=torch.contiguous_format) if need_w else None  # [n, h]
-        xg, wg = _gemm_operands(x, w)  # fp32 copies where half GEMMs run in fp32 on this CPU
-        # the forward's buffer holds a slice unless _MIN_COLS raised cols past step * n / N
-        elems = N * min(n, cols)
-        if kept is not None:
-            workspace = None
-        elif handed is not None and handed.numel() >= elems:
-            workspace = handed
-        else:
-            workspace = _workspace(xg, elems)
-        del handed
         for c0 in range(0, n, cols):
             c1 = min(n, c0 + cols)
-            wc = wg[c0:c1]                                                     # [vc, h]
-            z = kept if kept is not None else _chunk_logits(xg, wc, max(first_pad - c0, 0), workspace)
+            wc = w[c0:c1]                                                      # [vc, h]
+            z = kept if kept is not None else _chunk_logits(x, wc, max(first_pad - c0, 0))
             kept = None
             dz = _chunk_grad(z, t, lse, ent, g_lp, g_ent, vocab_start + c0, inv_temp, ignore_index)  # [N, vc]
             del z
@@ -401,10 +276,8 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                     gx.addmm_(dz, wc)
                 else:
                     gx.add_(torch.mm(dz, wc))
-            if need_w and gw.dtype == dz.dtype:
-                torch.mm(dz.t(), xg, out=gw[c0:c1])                            # [vc, h]
-            elif need_w:  # fp32 logits of half weights: one rounding of the slice
-                gw[c0:c1] = torch.mm(dz.t(), xg)
+            if need_w:
+                torch.mm(dz.t(), x, out=gw[c0:c1])                             # [vc, h]
             del dz
         if need_x:
             if gx is None:  # no tokens or no columns
@@ -414,7 +287,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
                 import torch.distributed as dist
 
                 dist.all_reduce(gx, group=group)  # each rank's vocab shard adds its part of dL/dx
-        return gx, gw, None, None, None, None, None, None, None, None, None, None, None, None
+        return gx, gw, None, None, None, None, None, None, None, None, None, None, None
 
 
 class _FusedLinearLoss(torch.autograd.Function):
@@ -423,26 +296,21 @@ class _FusedLinearLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, t, pos, token_loss, group, vocab_start, padded, first_pad, inv_temp, ignore_index, step,
-                reduce_grad, needs_grad, with_entropy, chunk_buffer):
+                reduce_grad, needs_grad, with_entropy):
         N = x.shape[0]
         need_x = needs_grad and x.requires_grad
         need_w = needs_grad and w.requires_grad
         lp_all = torch.empty(N, dtype=torch.float32, device=x.device)
         ent_all = torch.empty(N, dtype=torch.float32, device=x.device)
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
-        xg, wg = _gemm_operands(x, w)  # fp32 copies where half GEMMs run in fp32 on this CPU
-        workspace = _workspace(xg, min(N, step) * w.shape[0], chunk_buffer)  # free again when this returns
         # gradients in the GEMMs' dtype; grad(w) [n, h] sums over chunks, in fp32 for half weights
         # when there is more than one chunk
-        gx = torch.empty(N, x.shape[1], dtype=xg.dtype, device=x.device) if need_x else None          # [N, h]
+        gx = torch.empty(N, x.shape[1], dtype=x.dtype, device=x.device) if need_x else None           # [N, h]
         gw = None
-        # grad(W) into kept memory, for the backward to add to w.main_grad (see _direct_grad)
-        gw_kept = (chunk_buffer.take_grad(ctx, w.shape, w.main_grad.dtype)
-                   if need_w and _direct_grad(w, chunk_buffer) else None)
         for r0 in range(0, N, step):
             r1 = min(N, r0 + step)
             tc = t[r0:r1]
-            z = _chunk_logits(xg[r0:r1], wg, first_pad, workspace)             # [c, n]
+            z = _chunk_logits(x[r0:r1], w, first_pad)                          # [c, n]
             m, s, mom, zt = _chunk_stats(z, tc, vocab_start, padded, ignore_index, inv_temp, with_entropy)
             # this chunk's TP reductions now, not once after the loop: its gradient needs them
             lp, ent, lse = _reduce_and_finalize(m, s, mom, zt, tc, padded, tc == ignore_index, group)
@@ -467,19 +335,15 @@ class _FusedLinearLoss(torch.autograd.Function):
             g_ent = None if g_ent is None else g_ent.float().contiguous()
             dz = _chunk_grad(z, tc, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index)  # [c, n]
             if need_x:
-                torch.mm(dz, wg, out=gx[r0:r1])                                # [c, h]
-            if need_w and gw is None and gw_kept is not None:
-                gw = gw_kept                                                   # [n, h]
-                torch.mm(dz.t(), xg[r0:r1], out=gw) if gw.dtype == dz.dtype else gw.copy_(torch.mm(dz.t(), xg[r0:r1]))
-            elif need_w and gw is None:
-                gw = torch.mm(dz.t(), xg[r0:r1])                               # [n, h]
+                torch.mm(dz, w, out=gx[r0:r1])                                 # [c, h]
+            if need_w and gw is None:
+                gw = torch.mm(dz.t(), x[r0:r1])                                # [n, h]
                 gw = gw.float() if N > step else gw
             elif need_w:
-                gw.addmm_(dz.t(), xg[r0:r1]) if gw.dtype == dz.dtype else gw.add_(torch.mm(dz.t(), xg[r0:r1]))
+                gw.addmm_(dz.t(), x[r0:r1]) if gw.dtype == dz.dtype else gw.add_(torch.mm(dz.t(), x[r0:r1]))
             del dz, z
         ctx.grads = (gx, gw)
         ctx.consts = (group, reduce_grad, x.shape, x.dtype, w.dtype)
-        ctx.direct = (w, chunk_buffer) if gw_kept is not None else None  # gw is chunk_buffer's memory
         ctx.mark_non_differentiable(lp_all, ent_all)
         return loss, lp_all, ent_all
 
@@ -502,13 +366,6 @@ class _FusedLinearLoss(torch.autograd.Function):
                 import torch.distributed as dist
 
                 dist.all_reduce(gx, group=group)  # each rank's vocab shard adds its part of dL/dx
-        direct, ctx.direct = ctx.direct, None
-        if need_w and direct is not None:  # gw is kept memory: added here, never handed on
-            w, chunk_buffer = direct
-            if gw is not None and scale is not None:
-                w.main_grad.add_(gw.mul_(scale))  # what DDP's hook would add, in main_grad's dtype
-            chunk_buffer.give_back_grad(ctx)
-            gw = None
-        elif need_w:  # None: no token's loss read the output layer
+        if need_w:  # None: no token's loss read the output layer
             gw = None if gw is None or scale is None else gw.mul_(scale).to(w_dtype)
-        return (gx if need_x else None, gw if need_w else None) + (None,) * 14
+        return (gx if need_x else None, gw if need_w else None) + (None,) * 13

@@ -14,8 +14,7 @@ from . import _ext
 
 # The target id that means "no token here": log-prob and entropy 0, no gradient.
 IGNORE_INDEX = -100
-# fp32 elements per row chunk of the torch path: two such workspaces (8 MiB) at most are live;
-# 1M was the fastest of 1M/2M/4M on this project's CPU benchmarks (docs/benchmarks.md).
+# fp32 elements per row chunk of the torch path: two such workspaces (8 MiB) at most are live.
 _CHUNK_ELEMS = 1 << 20
 # exp() of anything below this is 0 in fp32; clamping -inf logits (masked vocabulary) to it turns
 # their 0 * -inf terms into 0 * finite.
@@ -173,27 +172,11 @@ def _chunking(x):
     return step, [torch.empty(step, n, dtype=torch.float32, device=x.device) for _ in range(2)]
 
 
-def _cpu_kernels(x):
-    """megarl._cpu where its row passes serve x (fp32 logits on a CPU, unit stride over the
-    vocabulary), else None: two passes a row in the forward and one in the backward instead of
-    the torch path's seven and five (docs/benchmarks.md). MEGARL_DISABLE_KERNELS=1 turns it off."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
-        return None
-    from megarl.models import cpu_kernels
-
-    return cpu_kernels.load()
-
-
 def _local_stats(x, t, vocab_start, inv_temp, with_moment=True):
-    """The forward pass over this shard: m, s, w, zt [N] fp32 (megarl._cpu's logprob_stats on
-    fp32 CPU logits, else torch in row chunks). with_moment=False: w (the entropy's first
+    """The forward pass over this shard: m, s, w, zt [N] fp32, in row chunks. with_moment=False: w (the entropy's first
     moment, three of the torch path's seven passes over each chunk) is not computed and comes
     back NaN, for callers that never read the entropy."""
     N, n = x.shape
-    kernels = _cpu_kernels(x) if N and n else None
-    if kernels is not None:
-        cols, owned = _target_cols(t, vocab_start, n)
-        return kernels.logprob_stats(x, cols, owned, float(inv_temp), bool(with_moment)).unbind(0)
     m, s, w, zt = torch.empty(4, N, dtype=torch.float32, device=x.device).unbind(0)
     if not with_moment:
         w.fill_(float("nan"))
@@ -222,8 +205,7 @@ def _local_stats(x, t, vocab_start, inv_temp, with_moment=True):
 
 
 def _grad_torch(x, t, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index, out=None):
-    """The backward pass: [N, n] gradient in x's dtype (megarl._cpu's logprob_grad on fp32 CPU
-    logits, else torch in row chunks).
+    """The backward pass: [N, n] gradient in x's dtype, in row chunks.
 
     d/dz_j [g_lp lp + g_ent H] = p_j (-g_lp - g_ent (H + log p_j)) + g_lp 1[j = t],
     with log p_j = z_j - lse recomputed from x; times 1/temperature for d/dx.
@@ -241,11 +223,6 @@ def _grad_torch(x, t, lse, ent, g_lp, g_ent, vocab_start, inv_temp, ignore_index
     b = None if g_ent is None else keep * g_ent * -inv_temp                      # [N]
     cols, owned = _target_cols(t, vocab_start, n)
     c = torch.where(owned, g1 * inv_temp, 0.0)                                   # [N]
-    kernels = _cpu_kernels(x) if n and grad.stride(-1) == 1 else None
-    if kernels is not None:  # one pass a row (grad may be x itself)
-        kernels.logprob_grad(x, grad, lse.float().contiguous(), a.contiguous(), None if b is None else b.contiguous(),
-                             cols.contiguous(), c.contiguous(), ~ignored, float(inv_temp))
-        return grad
     step, (lbuf, pbuf) = _chunking(x)
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)

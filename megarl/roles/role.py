@@ -20,16 +20,14 @@ from typing import Callable
 import torch
 
 from megarl.config.schema import FP8Config, LRScheduleConfig, ModelConfig, OptimConfig, ParallelConfig
-from megarl.models.cpu_gemm import cpu_linears, fp32_for_half, half_gemms_in_fp32, onednn_pays
 from megarl.models.gpt import build_model
 from megarl.optim import build_optimizer, build_scheduler
+from megarl.roles.microbatch import MicroBatch
 from megarl.runtime.distributed import broadcast_from_last_stage, device, dp_means
 
-# tokens [b, s], position_ids [b, s], attention_mask [b, 1, s, s] or None, optional output_from
-# (an int c: the LM/scalar head runs on columns c: only, the output is [b, s - c, .]), optional
-# return_hidden (True: the LM head's output is models.gpt.HeadStates, for ops.head_logprobs), ...
-Batch = dict
-LossFn = Callable[[Batch, torch.Tensor], tuple]
+# a MicroBatch (roles/microbatch.py), or a dict of its model keys and data keys
+Batch = MicroBatch | dict
+LossFn = Callable[[MicroBatch, torch.Tensor], tuple]
 
 
 @dataclass
@@ -48,11 +46,11 @@ class Role:
     def __init__(self, name: str, model_cfg: ModelConfig, parallel: ParallelConfig, *,
                  head: str = "lm", precision: str = "fp32", fp8: FP8Config | None = None, seed: int = 1234,
                  optim: OptimConfig | None = None, schedule: LRScheduleConfig | None = None,
-                 train_steps: int = 1, train_only_head: bool = False, cpu_half_gemm: str = "native"):
+                 train_steps: int = 1, train_only_head: bool = False):
         self.name, self.model_cfg, self.head, self.precision = name, model_cfg, head, precision
-        self.cpu_half_gemm = cpu_half_gemm  # train.cpu_half_gemm: how half GEMMs run on a CPU
-        self.half_gemms_fp32 = fp32_for_half(cpu_half_gemm, device())
-        self.onednn_linears = onednn_pays()  # fp32 no-grad linears through oneDNN where it pays (models/cpu_gemm.py)
+        # a reward model's pooling of its per-token values into one reward (reward_model.pooling);
+        # saved in its checkpoint's manifest, so that RL reads the model as it was trained
+        self.reward_pooling: str | None = None
         self.parallel = parallel
         self.optimizer = self.scheduler = None
         self.accumulating = False  # gradients of a step are in the buffers, not yet applied
@@ -130,25 +128,21 @@ class Role:
         dev = device()
 
         def forward_step(data_iterator, model):
-            batch = _on_device(next(data_iterator), dev)  # data stays on the host until its turn
-            extra = {k: batch[k] for k in ("output_from", "return_hidden", "output_index", "packed_seq_params")
-                     if batch.get(k) is not None and batch.get(k) is not False}
-            output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), **kwargs, **extra)
+            batch = next(data_iterator).to(dev)  # data stays on the host until its turn
+            output = model(batch.tokens, batch.position_ids, batch.attention_mask, **kwargs, **batch.model_kwargs())
             if collect:
                 return output, lambda out, non_loss_data=True: on_output(batch, out)
             return output, lambda out: on_output(batch, out)
 
-        shapes = {tuple(mb["tokens"].shape) for mb in microbatches}
-        b, s = microbatches[0]["tokens"].shape
+        microbatches = [MicroBatch.of(mb) for mb in microbatches]
+        shapes = {mb.shape for mb in microbatches}
+        b, s = microbatches[0].shape
         self.config.variable_seq_lengths = len(shapes) > 1
         if self.optimizer is None and not forward_only:
             raise RuntimeError(f"role {self.name} is frozen: it has no optimizer to train with")
         for c in self.chunks:
             c.train(not forward_only and not collect)
-        # train.cpu_half_gemm=fp32 with bf16 weights on a CPU: the GEMMs (backward included) run in fp32, rounded once;
-        # fp32 weights on an AMD CPU, forward only (scoring, evaluation): the linears' GEMMs run through oneDNN
-        with (torch.set_grad_enabled(not forward_only), half_gemms_in_fp32(self.chunks, self.half_gemms_fp32),
-              cpu_linears(self.chunks, forward_only and self.onednn_linears)):
+        with torch.set_grad_enabled(not forward_only):
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(microbatches), model=self.chunks,
                 num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
@@ -230,19 +224,3 @@ def reduce_metrics(reported: list[dict]) -> dict:
             totals[k] = totals[k] + v if k in totals else v
     means = dp_means({k: (v[0], v[1]) for k, v in totals.items()}) if ps.is_pipeline_last_stage() else {}
     return broadcast_from_last_stage(means)
-
-
-def _on_device(batch: Batch, dev: torch.device) -> Batch:
-    """A micro-batch with its tensors (and a PackedSeqParams' tensors) on `dev`; a tensor already
-    there is not copied (on CPU none is)."""
-    import dataclasses
-
-    def move(v):
-        if isinstance(v, torch.Tensor):
-            return v.to(dev, non_blocking=True)
-        if dataclasses.is_dataclass(v) and not isinstance(v, type):
-            return dataclasses.replace(v, **{f.name: move(getattr(v, f.name)) for f in dataclasses.fields(v)
-                                             if isinstance(getattr(v, f.name), torch.Tensor)})
-        return v
-
-    return {k: move(v) for k, v in batch.items()}

@@ -38,8 +38,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megarl.models import cpu_gemm, decode_layout, decode_step
 from megarl.models.layout import unwrap
+from megarl.runtime import cpu_compat
 from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens
 from megarl.rollout.tools import ERROR, TIMEOUT, Toolbox
 
@@ -101,43 +101,15 @@ def _model_chunks(role) -> list:
 class MegatronRolloutEngine(RolloutEngine):
     def __init__(self, role, *, vocab_size: int, pad_id: int, decode: Callable[[list[int]], str] | None = None,
                  max_batch_size: int = 64, max_seq_len: int | None = None, pp_microbatches: int | None = None,
-                 compact: bool = True, tools: Toolbox | None = None, encode: Callable[[str], list[int]] | None = None,
-                 in_major_weights: bool = True, onednn_linears: bool | None = None, layer_kernel: bool | None = None,
-                 cpu_half_gemm: str | None = None, decode_fast_path: bool = True, native_layers: bool = True):
+                 compact: bool = True, tools: Toolbox | None = None, encode: Callable[[str], list[int]] | None = None):
         """role: a megarl Role (or its model, possibly DDP / Float16Module wrapped) with an LM head.
         vocab_size: the true vocabulary (padded columns are never sampled).
         max_batch_size: rows per KV cache (micro-batch); the cache is freed after each.
         max_seq_len: longest prompt + response; default the model's max_position_embeddings.
         pp_microbatches: at PP > 1, pipeline micro-batches per step (default: PP size).
         compact: drop finished rows from the KV cache once a quarter of its rows are done (the
-            live rows' written positions move down in place, ~log(rows) / log(4/3) times a
-            batch; on CPU a dead row costs more than its share: MKL's GEMM over the 152k-row LM
-            head is ~2x slower at 4-8 rows than at 1-3 or 16).
-        tools: a Toolbox (tools + max calls per sample); needs decode and encode (observation text -> ids).
-        in_major_weights: on CPU, fp32 linears read their weights from [in, out] memory during the
-            call (models/decode_layout.py: 1.1-2x faster decode GEMMs; one more copy of those
-            weights while generating). No effect on GPU or for bf16 weights.
-        onednn_linears: on CPU, fp32 linears of 2+ rows run through oneDNN's inner product instead
-            of MKL's sgemm during the call; default: on an AMD CPU with AVX-512 (`cpu_gemm.onednn_pays()`:
-            0.7-1.0x the GEMM time at decode sizes on an AMD EPYC Zen 4, 1.02-1.05x on a Zen 3 without
-            AVX-512, 1.3-4x on an Intel Xeon).
-            Either way the LM head's GEMM at 1-32 rows runs megarl._cpu's kernel on its stored
-            [out, in] tensor when in_major_weights kept it and the kernel runs here
-            (models/cpu_gemm.py). No effect on GPU or for bf16 weights.
-        layer_kernel: on CPU, the layers' fp32 linears at 1-64 rows (decode steps) run that kernel
-            on their [out, in] tensors too, when in_major_weights kept them; default: on an AMD CPU
-            with AVX-512 or AVX2 + FMA (`cpu_gemm.layer_kernel_pays()`: 0.3-0.9x of oneDNN's time
-            on a Zen 4, the rollout 0.83-0.91x of MKL's on a Zen 3; not measured on Intel).
-        cpu_half_gemm: how bf16/fp16 GEMMs run on CPU (train.cpu_half_gemm, models/cpu_gemm.py);
-            default: the role's setting, else "native" (torch's half kernels).
-        decode_fast_path: decode steps at PP 1 run models/decode_step.py (the same operations on the
-            same tensors as the model's modules, without megatron-core's per-module calls: the
-            same logits, bit for bit) where it serves the model; prefill and other models call the
-            model. False: every step calls the model.
-        native_layers: where the layers' linears run that kernel (layer_kernel) at TP 1 in fp32,
-            a decode step's layers each run as one call of megarl._cpu.decode_layer (the same maths
-            in C++, results within fp32 rounding of the torch path's; models/decode_step.py).
-            False: the torch operations of decode_fast_path."""
+            live rows' written positions move down in place, ~log(rows) / log(4/3) times a batch).
+        tools: a Toolbox (tools + max calls per sample); needs decode and encode (observation text -> ids)."""
         self.chunks = _model_chunks(role)
         self.model = self.chunks[0]
         self.gpt = unwrap(self.model)
@@ -154,16 +126,6 @@ class MegatronRolloutEngine(RolloutEngine):
         self.compact = compact
         self.tools = tools if tools is not None and tools.tools else None
         self.encode = encode
-        self.in_major_weights = bool(in_major_weights)
-        self.decode_fast_path = bool(decode_fast_path)
-        self.native_layers = bool(native_layers)
-        self.onednn_linears = cpu_gemm.onednn_pays() if onednn_linears is None else bool(onednn_linears)
-        self.layer_kernel = cpu_gemm.layer_kernel_pays() if layer_kernel is None else bool(layer_kernel)
-        # decode steps read a shared prompt's cached keys and values from the first row of its
-        # group (the same values; models/decode_attention.py); False reads every row's own copy
-        self.shared_prompt_reads = True
-        self.half_gemms_fp32 = cpu_gemm.fp32_for_half(
-            cpu_half_gemm or getattr(role, "cpu_half_gemm", "native"), self.device)
         if self.tools is not None and (decode is None or encode is None):
             raise ValueError("MegatronRolloutEngine(tools=...) needs decode and encode functions (the tokenizer's)")
 
@@ -174,9 +136,8 @@ class MegatronRolloutEngine(RolloutEngine):
                  sample_offset: int = 0) -> Rollout:
         params.validate()
         self._check_prompts(prompts, params)
-        # PP 1: no schedule asks for a "cuda" device, so the CPU shim is off for the whole call
-        # (the bookkeeping around the forwards included), not only for each forward
-        with _cpu_shim_suspended() if self.config.pipeline_model_parallel_size == 1 else contextlib.nullcontext():
+        # PP 1: no schedule asks for a "cuda" device, so megatron's CPU shim is off for the call
+        with cpu_compat.suspended() if self.config.pipeline_model_parallel_size == 1 else contextlib.nullcontext():
             return self._generate(prompts, params, seed, sample_offset)
 
     def _generate(self, prompts, params, seed, sample_offset):
@@ -194,21 +155,12 @@ class MegatronRolloutEngine(RolloutEngine):
                  "batches": 0, "compactions": 0}
         if self.tools is not None:
             stats["tool_s"] = 0.0
-        with (_inference_mode(self.chunks, self.gpt),
-              decode_layout.in_major_weights(self.chunks, self.in_major_weights) as out_major,
-              cpu_gemm.cpu_linears(self.chunks, self.onednn_linears, out_major, self.layer_kernel),
-              cpu_gemm.half_gemms_in_fp32(self.chunks, self.half_gemms_fp32)):
-            # in the state the steps run in (eval, sequence parallelism off); None: the model's own path
-            pp1 = self.config.pipeline_model_parallel_size == 1
-            fast = decode_step.plan(self.model, out_major, native=self.native_layers and self.layer_kernel) if (
-                self.decode_fast_path and pp1) else None
-            stats["decode_fast_path"] = fast is not None
-            stats["native_layers"] = fast is not None and fast.native is not None
+        with _inference_mode(self.chunks, self.gpt):
             for b0 in range(0, N, self.max_batch_size):
                 batch = order[b0: b0 + self.max_batch_size]
                 out = self._generate_batch([rows[r] for r in batch],
                                            torch.tensor([sample_offset + r for r in batch], dtype=torch.long),
-                                           params, seed, stats, fast)
+                                           params, seed, stats)
                 for k, r in enumerate(batch):
                     responses[r], logprobs[r], stopped[r] = out[0][k], out[1][k], out[2][k]
                     for name in _ROW_EXTRAS:
@@ -233,9 +185,8 @@ class MegatronRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ one KV-cache batch
 
-    def _generate_batch(self, prompts, sample_ids, params, seed, stats, fast=None):
-        """Rows of one KV cache -> (responses, logprobs, stopped) per row, on every rank.
-        fast: models/decode_step.py's plan for the decode steps, or None."""
+    def _generate_batch(self, prompts, sample_ids, params, seed, stats):
+        """Rows of one KV cache -> (responses, logprobs, stopped) per row, on every rank."""
         from megatron.core.inference.contexts import StaticInferenceContext
 
         dev = self.device
@@ -266,10 +217,7 @@ class MegatronRolloutEngine(RolloutEngine):
 
         # One prefill per prompt: the n samples of a prompt are consecutive rows (the order is
         # sorted stably by length), so each run of equal rows is prefilled once and its KV entries
-        # are copied to the run's rows before the first token is sampled (per row, as before).
-        # Decode steps then read a run's first P positions from its first row (ctx.prefix_rows,
-        # models/attention.py): the same values, read once per run from memory, then from the
-        # CPU's cache for the run's other rows.
+        # are copied to the run's rows before the first token is sampled.
         first, expand = _prompt_runs(prompts)  # [U] prefilled rows, [B] -> index of the row's run
         ctx = StaticInferenceContext(len(first), S)
         ctx.materialize_only_last_token_logits = True
@@ -285,11 +233,8 @@ class MegatronRolloutEngine(RolloutEngine):
                     ids, lps = self._step(step_tokens[u], positions[u], mask[u], ctx, params, seed, sample_ids, t,
                                           expand=expand)  # [B]
                     _take_cache_rows(ctx, expand.to(dev), P)  # [U] -> [B] cache rows: a prompt's keys to its samples
-                    if self.shared_prompt_reads:  # positions < P: the prompt, the same in every row of a run
-                        ctx.prefix_rows, ctx.prefix_len = _run_leaders(expand), P
                 else:
-                    ids, lps = self._step(step_tokens, positions, mask, ctx, params, seed, sample_ids[active], t,
-                                          fast=fast)  # [A]
+                    ids, lps = self._step(step_tokens, positions, mask, ctx, params, seed, sample_ids[active], t)  # [A]
                 offset += step_tokens.shape[1]
                 ctx.increment_sequence_len_offset(step_tokens.shape[1])
                 if t == 0:
@@ -330,8 +275,6 @@ class MegatronRolloutEngine(RolloutEngine):
                     keep = torch.nonzero(alive).flatten()  # finished rows leave the cache: less work per step
                     _take_cache_rows(ctx, keep.to(dev), offset)
                     active, ids, key_pad, pads = active[keep], ids[keep], key_pad[keep.to(dev)], pads[keep.to(dev)]
-                    if getattr(ctx, "prefix_rows", None) is not None:
-                        ctx.prefix_rows = _run_leaders(expand[active])
                     stats["compactions"] += 1
                 step_tokens = torch.where(done[active], self.pad_id, ids).to(dev)[:, None]  # [A, 1]
                 mask = key_pad[:, None, None, : offset + 1]  # [A, 1, 1, sk]: the new token sees all real keys
@@ -409,21 +352,16 @@ class MegatronRolloutEngine(RolloutEngine):
         ids, lps = sample_tokens(filtered, params, uniforms, with_logprobs=params.logprobs)
         return ids, (lps if lps is not None else torch.zeros(ids.shape, dtype=torch.float32, device=ids.device))
 
-    def _step(self, tokens, positions, mask, ctx, params, seed, sample_ids, step, expand=None, fast=None):
+    def _step(self, tokens, positions, mask, ctx, params, seed, sample_ids, step, expand=None):
         """One forward (prefill or decode) and the sampled ids [B] / log-probs [B] on every rank (CPU).
         expand: [B] the forward row each sampled row reads (a prompt prefilled once for its
-        samples); None: row i reads forward row i. fast: decode_step's plan (PP 1): a decode
-        step runs there instead of through the model's modules (the same logits)."""
+        samples); None: row i reads forward row i."""
         pp = self.config.pipeline_model_parallel_size
         if pp == 1:
-            with _cpu_shim_suspended():
-                if fast is not None and tokens.shape[1] == 1:
-                    logits = decode_step.decode_logits(fast, tokens, positions, mask, ctx)  # [A, 1, V_pad]
-                else:
-                    logits = self.model(tokens, positions, mask, inference_context=ctx, runtime_gather_output=True)
-                if expand is not None:
-                    logits = logits[expand.to(logits.device)]
-                ids, lps = self._sample(logits, params, seed, sample_ids, step)
+            logits = self.model(tokens, positions, mask, inference_context=ctx, runtime_gather_output=True)
+            if expand is not None:
+                logits = logits[expand.to(logits.device)]
+            ids, lps = self._sample(logits, params, seed, sample_ids, step)
             return ids.cpu(), lps.float().cpu()
         return self._pipeline_step(tokens, positions, mask, ctx, params, seed, sample_ids, step, expand)
 
@@ -541,25 +479,6 @@ def _model_parallel_group():
     return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
-def _cpu_shim_suspended():
-    """Without the pipeline schedule nothing in a forward asks for a "cuda" device, so the
-    CPU shim's TorchFunctionMode (megarl.runtime.cpu_compat), which wraps every torch call, is
-    switched off for the step (~10% of a decode step on CPU) or, at PP 1, for the whole
-    generate call (~30 calls of bookkeeping per decode step). A no-op where the shim is off (GPU)."""
-    from megarl.runtime import cpu_compat
-
-    return torch._C.DisableTorchFunction() if cpu_compat.is_enabled() else contextlib.nullcontext()
-
-
-def _run_leaders(run: torch.Tensor) -> torch.Tensor:
-    """[A] run index of each cache row (a run's rows are consecutive) -> [A] the first cache row
-    of each row's run: where its prompt's keys and values are read from in a decode step."""
-    idx = torch.arange(len(run))
-    starts = torch.ones(len(run), dtype=torch.bool)
-    starts[1:] = run[1:] != run[:-1]
-    return torch.cummax(torch.where(starts, idx, 0), dim=0).values
-
-
 def _prompt_runs(prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
     """(first row of each run of equal consecutive prompts [U], run index of every row [B])."""
     first, expand = [], []
@@ -575,10 +494,8 @@ def _take_cache_rows(ctx, rows, filled: int):
     rows[i] [A'] (ascending: finished rows leave, or a prompt's row goes to each of its samples).
     Only the first `filled` positions are moved; the rest is unwritten. The cache is megarl's
     attention's (models/attention.py): [B, g, S, d] per layer. A shrinking cache keeps its memory
-    (rows move down in place, one index_select of the written positions each). Advanced indexing
-    of whole caches into fresh ones (`k[rows]`) took 2-2.7 s of a 13-15 CPU-s realistic rollout on
-    one core (the expand and the first compaction), this 0.02-0.08 s (docs/benchmarks.md). A
-    growing cache is allocated anew."""
+    (rows move down in place, one index_select of the written positions each) instead of gathering
+    whole caches into fresh ones. A growing cache is allocated anew."""
     n = len(rows)
     for layer, caches in list(ctx.key_value_memory_dict.items()):
         taken = []

@@ -6,13 +6,6 @@ vocabulary in id order. So a sample depends only on its own logits and its key, 
 batch it was generated in, the micro-batching, or the TP/PP layout (up to fp rounding of the
 logits), and DP ranks draw different samples by passing different sample ids.
 
-On a CPU, fp32 logits are drawn by megarl._cpu's `sample_rows` where it is built
-(csrc/cpu_sampling.cpp): the same two-level inverse CDF in two read-only passes over each row
-instead of about seven passes of torch ops (0.4x of their time at 16 rows of a 152k
-vocabulary, 0.2x at 64 rows, docs/benchmarks.md). Its exponentials and fp32 block sums round
-differently from torch's, so a draw whose uniform falls within rounding of a token boundary may
-pick the neighbouring token; which path runs is fixed per machine (the build), so runs and
-resumes on one machine draw alike.
 """
 from __future__ import annotations
 
@@ -112,13 +105,9 @@ def sample_tokens(filtered: torch.Tensor, params: SamplingParams, uniforms: torc
     """
     if params.greedy and not with_logprobs:
         return filtered.argmax(dim=-1), None
-    op = None if params.greedy else cpu_sampler(filtered)
-    if op is not None:  # megarl._cpu: the same draw and log-prob in two passes (module docstring)
-        ids, lp = op(filtered, uniforms.to(torch.float64).contiguous(), float(params.temperature), _CDF_BLOCK)
-        return ids, (lp if with_logprobs else None)
     z = filtered.float() if params.temperature == 1.0 else filtered.float() / params.temperature
     zmax = z.amax(dim=-1, keepdim=True)  # [N, 1]
-    e = _exp_below_max(z, zmax)  # [N, V]
+    e = torch.exp(z - zmax)  # [N, V]; 0 at filtered (-inf) ids
     if params.greedy:
         ids = z.argmax(dim=-1)
         total = e.sum(dim=-1, dtype=torch.float64)
@@ -130,68 +119,16 @@ def sample_tokens(filtered: torch.Tensor, params: SamplingParams, uniforms: torc
     return ids, lp
 
 
-def cpu_sampler(filtered: torch.Tensor):
-    """megarl._cpu.sample_rows where it takes `filtered` (fp32 [N, V] on the CPU, unit stride
-    over V) and is built (models/cpu_kernels.py; not under MEGARL_DISABLE_KERNELS=1), else None."""
-    if (filtered.device.type != "cpu" or filtered.dtype != torch.float32 or filtered.dim() != 2
-            or filtered.shape[1] == 0 or filtered.stride(1) != 1):
-        return None
-    from megarl.models import cpu_kernels
-
-    return getattr(cpu_kernels.load(), "sample_rows", None)
-
-
-_CDF_BLOCK = 2048  # vocabulary ids per block of the two-level inverse CDF
-# exp(x) for fp32 x below about -87.3 is denormal or 0, and torch's vectorised CPU exp leaves its
-# fast path for such inputs (and for -inf): 20-40x slower per element (docs/benchmarks.md). Inputs
-# are clamped to this floor first: exp(-87) = 1.6e-38 is a normal float, and all ids together
-# below it weigh < V x 1.6e-38 against a total >= 1 (the max id's own exp(0)), nothing in fp64.
-_EXP_FLOOR = -87.0
-
-
-def _exp_below_max(z: torch.Tensor, zmax: torch.Tensor) -> torch.Tensor:
-    """exp(z - zmax) [N, V], with exactly 0 where z is -inf (filtered ids keep zero mass) and
-    exp(_EXP_FLOOR) for finite z more than 87 below the row's max."""
-    x = torch.sub(z, zmax)  # <= 0
-    if not bool((z.amin(dim=-1, keepdim=True) - zmax < _EXP_FLOOR).any()):
-        return x.exp_()
-    filtered = torch.isneginf(z)
-    e = x.clamp_(min=_EXP_FLOOR).exp_()
-    return e.masked_fill_(filtered, 0.0) if bool(filtered.any()) else e
-
-
 def _inverse_cdf(e: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse-CDF draw in id order from unnormalised probabilities e [N, V] >= 0: (ids [N], total
-    [N] fp64). The first id whose cumulative mass exceeds u * total, found in two levels: the sums of
-    blocks of _CDF_BLOCK ids, accumulated in fp64, pick the block; a cumulative sum inside that block
-    alone picks the id.
-    The same draw as one fp64 cumsum over V up to rounding (the block sums are fp32 sums of at most
-    _CDF_BLOCK terms), at a fraction of its cost per decode step at a 152k vocabulary.
-    Never returns an id of zero mass: the block and the id are each the first whose cumulative
-    sum strictly exceeds the target, which the target is kept below."""
-    N, V = e.shape
-    Bk = _CDF_BLOCK
-    full = V // Bk
-    # block sums in e's dtype (a sum with dtype=float64 would first copy all of e to float64: 5x the
-    # time), accumulated across blocks in float64
-    parts = [e[:, : full * Bk].view(N, full, Bk).sum(-1)] if full else []
-    if V > full * Bk:
-        parts.append(e[:, full * Bk:].sum(-1, keepdim=True))
-    block_cdf = torch.cumsum(torch.cat(parts, dim=1).double(), dim=1)  # [N, nb]
-    total = block_cdf[:, -1]
+    [N] fp64): the first id whose cumulative mass (fp64) exceeds u * total. Never an id of zero
+    mass (the cumulative sum does not rise there, and the target stays below the total), and no
+    host read: the draw stays on the device."""
+    cdf = torch.cumsum(e, dim=-1, dtype=torch.float64)  # [N, V]
+    total = cdf[:, -1]
     target = uniforms.to(e.device) * total  # [N] < total: u <= 1 - 2^-40
-    block = torch.searchsorted(block_cdf, target[:, None], right=True).squeeze(-1).clamp_(max=block_cdf.shape[1] - 1)
-    rows = torch.arange(N, device=e.device)
-    before = torch.where(block > 0, block_cdf[rows, (block - 1).clamp(min=0)], torch.zeros_like(total))
-    cols = block[:, None] * Bk + torch.arange(Bk, device=e.device)[None, :]  # [N, Bk]
-    inside = cols < V
-    seg = torch.where(inside, e.gather(1, cols.clamp(max=V - 1)), torch.zeros((), dtype=e.dtype, device=e.device))
-    cdf = torch.cumsum(seg, dim=1, dtype=torch.float64)  # [N, Bk] within the block
-    # target - before >= 0 exactly; below the block's own last cumulative value so that the id found
-    # has positive mass even where the block's sum and its cumsum round differently
-    local = torch.minimum(target - before, torch.nextafter(cdf[:, -1], torch.zeros_like(total)))
-    k = torch.searchsorted(cdf, local[:, None], right=True).squeeze(-1).clamp_(max=Bk - 1)
-    return (block * Bk + k).clamp_(max=V - 1), total
+    ids = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
+    return ids.clamp_(max=e.shape[-1] - 1), total
 
 
 def draw(filtered: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:

@@ -133,3 +133,9 @@ def enable() -> bool:
 
 def is_enabled() -> bool:
     return _mode is not None
+
+
+def suspended():
+    """The shim switched off for a block that asks for no CUDA device (its TorchFunctionMode wraps
+    every torch call); a no-op where the shim is off (a GPU)."""
+    return torch._C.DisableTorchFunction() if is_enabled() else contextlib.nullcontext()

@@ -80,8 +80,8 @@ def cpu_threads(environ=None, cpus: int | None = None) -> tuple[int, str]:
     CPUs (its affinity: what taskset, cgroups or SLURM give it) shared by the node's ranks, less
     one left to the loop's other threads (tracking, data loading, checkpoint writes) and the
     machine's other work. An OpenMP team waits for its slowest thread at every op, so a thread
-    that gets descheduled stalls them all: on a 2-core machine under load, 2 threads made SFT
-    steps 10-20x slower than 1 (docs/benchmarks.md). Fixed per machine, so a run's figures are too."""
+    that gets descheduled stalls them all, so a thread per core fighting the loop's own threads is
+    far slower than one fewer. Fixed per machine, so a run's figures are too."""
     environ = os.environ if environ is None else environ
     given = environ.get("OMP_NUM_THREADS", "").strip()
     if given.isdigit() and int(given) > 0:

@@ -175,8 +175,7 @@ def run_eval(cfg: Config, checkpoint: str | None = None, hf: str | None = None) 
         if not paths["eval"]:
             raise ConfigError("megarl eval: no held-out prompts (set rl.eval_prompts_path)")
         ds = data_setup.prompt_dataset(cfg, paths["eval"])
-        role = Role("actor", cfg.model, cfg.parallel, head="lm", precision=cfg.train.precision, seed=cfg.train.seed,
-                    cpu_half_gemm=cfg.train.cpu_half_gemm)
+        role = Role("actor", cfg.model, cfg.parallel, head="lm", precision=cfg.train.precision, seed=cfg.train.seed)
         src = load_role_weights(cfg, role, source, "--hf" if hf else "--checkpoint")
         engine = rollout_engine(cfg, role, tok)
         params = SamplingParams(n=r.eval_samples, temperature=r.eval_temperature, top_k=r.top_k, top_p=r.top_p,

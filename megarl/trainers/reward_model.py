@@ -85,7 +85,7 @@ def build_stage(cfg: Config, stage_dir: str) -> SupervisedStage:
     paths = data_setup.stage_paths(cfg, STAGE)
     role = Role(STAGE, cfg.model, cfg.parallel, head="scalar", precision=cfg.train.precision, fp8=cfg.train.fp8,
                 seed=cfg.train.seed, optim=cfg.optim, schedule=cfg.lr_schedule, train_steps=cfg.train.steps,
-                train_only_head=r.freeze_backbone, cpu_half_gemm=cfg.train.cpu_half_gemm)
+                train_only_head=r.freeze_backbone)
     src = sft_source(cfg)
     if src is not None:
         load_weights(src, role, skip_head=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -28,7 +28,8 @@ from megarl import algorithms as A
 from megarl.config import Config, ConfigError
 from megarl.config.schema import role_config
 from megarl.models.gpt import HeadStates, mask_padded_vocab
-from megarl.ops import IGNORE_INDEX, ChunkBuffer, head_token_loss
+from megarl.ops import IGNORE_INDEX, head_token_loss
+from megarl.roles.microbatch import MicroBatch
 from megarl.roles.phases import PhaseClock, PhaseScheduler
 from megarl.roles.role import Role
 from megarl.rollout.engine import SamplingParams
@@ -68,23 +69,24 @@ class Experience:
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    _prompt_ids: list | None = field(default=None, init=False, repr=False, compare=False)  # prompt_ids()' cache
 
     def prompt_ids(self) -> list[int]:
         """Per row, the index of the first row with the same prompt (length and tokens): rows
         with equal ids are samples of one prompt. Computed once per Experience (rows() and cat()
         make new ones)."""
-        if getattr(self, "_prompt_ids", None) is None:
+        if self._prompt_ids is None:
             first: dict = {}
             self._prompt_ids = [first.setdefault((int(p), self.tokens[i, :int(p)].numpy().tobytes()), i)
                                 for i, p in enumerate(self.prompt_lens)]
         return self._prompt_ids
 
-    def packed_microbatch(self, rows: list[int], hidden: bool = False, share_prompts: bool = False) -> dict:
+    def packed_microbatch(self, rows: list[int], hidden: bool = False, share_prompts: bool = False) -> MicroBatch:
         """Rows `rows` concatenated into one [1, T] sequence, no padding: positions restart and
         attention stays within each row (models/attention.py), and the head runs on the rows'
         response columns only (`output_index`, [T']). Per-token fields are [b, W], row k's
         columns first_k.. at 0..; the model's [1, T'] outputs come back in that layout through
-        `unpack` (see per_row).
+        `unpack` (MicroBatch.per_row).
 
         share_prompts: the rows of one prompt hold it once, as a segment that each of their
         responses continues (`packed_rows_params`' prefix_of): the prompt's tokens go through
@@ -132,23 +134,22 @@ class Experience:
                     prefix_of.append(prompt_seg)
                     t += n - p
 
-        def field(x):  # [N, L] -> [b, W], each row's columns first.. left-aligned
+        def rowwise(x):  # [N, L] -> [b, W], each row's columns first.. left-aligned
             out = x.new_zeros(len(rows), max(widths))
             for k, (i, f, w) in enumerate(zip(rows, firsts, widths)):
                 out[k, :w] = x[i, f:f + w]
             return out
 
-        mb = {"tokens": torch.cat(pieces)[None], "position_ids": torch.cat(positions)[None], "attention_mask": None,
-              "packed_seq_params": packed_rows_params(seg_lens, prefix_of), "output_index": torch.cat(index),
-              "return_hidden": hidden, "unpack": (row_of, col_of), "columns": list(zip(firsts, widths)),
-              "labels": field(self.labels), "mask": field(self.mask)}
+        data = {"labels": rowwise(self.labels), "mask": rowwise(self.mask)}
         for name in ("old_logp", "ref_logp", "values", "advantages", "returns"):
             value = getattr(self, name)
             if value is not None:
-                mb[name] = field(value)
-        return mb
+                data[name] = rowwise(value)
+        return MicroBatch(torch.cat(pieces)[None], torch.cat(positions)[None], data,
+                          packed_seq_params=packed_rows_params(seg_lens, prefix_of), output_index=torch.cat(index),
+                          return_hidden=hidden, unpack=(row_of, col_of))
 
-    def microbatch(self, rows: list[int], hidden: bool = False) -> dict:
+    def microbatch(self, rows: list[int], hidden: bool = False) -> MicroBatch:
         """Rows `rows`, cut to their longest sequence, as a Role micro-batch.
 
         The model's head runs only from the first column that predicts a response token
@@ -159,20 +160,19 @@ class Experience:
         width = max(self.lengths[i] for i in rows)
         idx = torch.tensor(rows)
         first = int(self.prompt_lens[idx].min()) - 1  # earliest column predicting a response token
-        mb = {"tokens": self.tokens[idx, :width], "position_ids": torch.arange(width).expand(len(rows), width),
-              "attention_mask": None, "output_from": first, "return_hidden": hidden,
-              "labels": self.labels[idx, first:width], "mask": self.mask[idx, first:width]}
+        data = {"labels": self.labels[idx, first:width], "mask": self.mask[idx, first:width]}
         for name in ("old_logp", "ref_logp", "values", "advantages", "returns"):
             value = getattr(self, name)
             if value is not None:
-                mb[name] = value[idx, first:width]
-        return mb
+                data[name] = value[idx, first:width]
+        return MicroBatch(self.tokens[idx, :width], torch.arange(width).expand(len(rows), width), data,
+                          output_from=first, return_hidden=hidden)
 
     def rows(self, rows: list[int]) -> "Experience":
         idx = torch.tensor(rows, dtype=torch.long)
         return replace(self, lengths=[self.lengths[i] for i in rows],
                        **{f.name: getattr(self, f.name)[idx] for f in fields(self)
-                          if isinstance(getattr(self, f.name), torch.Tensor)})
+                          if f.init and isinstance(getattr(self, f.name), torch.Tensor)})
 
     @staticmethod
     def cat(parts: list["Experience"], pad_id: int) -> "Experience":
@@ -184,6 +184,8 @@ class Experience:
 
         out = {}
         for f in fields(Experience):
+            if not f.init:
+                continue
             values = [getattr(p, f.name) for p in parts]
             if f.name == "lengths":
                 out[f.name] = [x for v in values for x in v]
@@ -216,42 +218,28 @@ def experience_from_rollout(rollout, pad_id: int) -> Experience:
 # Per-token quantities from a role's output (run on the last pipeline stage)
 
 
-def _token_logprobs(vocab_size: int, temperature: float, with_entropy: bool = False, chunk_buffer=None):
+def _token_logprobs(vocab_size: int, temperature: float, with_entropy: bool = False):
     """(log p(labels), entropy or None) [b, s] from an LM role's output: the fused head op on its
-    hidden states (rl.fused_head: no [tokens, V] logits, forward or backward; its logit chunks in
-    `chunk_buffer`'s memory on a CPU), or its logits."""
+    hidden states (rl.fused_head: no [tokens, V] logits, forward or backward), or its logits."""
     from megatron.core import parallel_state as ps
 
     from megarl.models.gpt import HeadStates
     from megarl.ops import IGNORE_INDEX, head_logprobs, logprobs_and_entropy
 
     def fn(batch, output):
-        labels, mask = batch["labels"], batch["mask"]
-        if "unpack" in batch:  # packed rows: the head's columns in sequence order, [1, T']
-            labels, mask = labels[batch["unpack"]][None], mask[batch["unpack"]][None]
+        labels, mask = batch.head_layout(batch["labels"]), batch.head_layout(batch["mask"])
         # tokens no loss reads (padding, observations) get log-prob 0 and no gradient; the fused
         # head leaves them out of its GEMMs
         labels = labels.masked_fill(~mask, IGNORE_INDEX)
         if isinstance(output, HeadStates):  # hidden [b, s, h] + the output weight
-            logp, entropy = head_logprobs(output, labels, temperature=temperature, with_entropy=with_entropy,
-                                          chunk_buffer=chunk_buffer)
+            logp, entropy = head_logprobs(output, labels, temperature=temperature, with_entropy=with_entropy)
         else:
             logits = mask_padded_vocab(output, vocab_size)  # [b, s, V_pad/tp]
             logp, entropy = logprobs_and_entropy(logits, labels, tp_group=ps.get_tensor_model_parallel_group(),
                                                  temperature=temperature, with_entropy=with_entropy)
-        return per_row(batch, logp), (None if entropy is None else per_row(batch, entropy))
+        return batch.per_row(logp), (None if entropy is None else batch.per_row(entropy))
 
     return fn
-
-
-def per_row(batch: dict, x: torch.Tensor) -> torch.Tensor:
-    """A per-token output of a packed micro-batch, [1, T'], in the layout of its per-token fields
-    ([b, W], see Experience.packed_microbatch); other micro-batches' outputs pass through."""
-    if "unpack" not in batch:
-        return x
-    out = x.new_zeros(batch["mask"].shape)
-    out[batch["unpack"]] = x[0]
-    return out
 
 
 def packed_tokens(exp: Experience, rows: list[int], share_prompts: bool) -> int:
@@ -271,11 +259,13 @@ def collect_per_token(role: Role, exp: Experience, groups: list[list[int]], fn, 
     mbs = [exp.packed_microbatch(g, hidden, share_prompts) if packed else exp.microbatch(g, hidden) for g in groups]
     out = torch.zeros(exp.tokens.shape, dtype=torch.float32)
     for g, mb, part in zip(groups, mbs, role.forward_collect(mbs, lambda b, o: fn(b, o).float().cpu())):
-        if packed:  # row k's columns first.. sit at part[pos, :width]
-            for pos, (k, (first, width)) in enumerate(zip(g, mb["columns"])):
+        if packed:  # row k's columns first.. (its prompt's last one on) sit at part[pos, :width]
+            for pos, k in enumerate(g):
+                first = int(exp.prompt_lens[k]) - 1
+                width = exp.lengths[k] - first
                 out[k, first:first + width] = part[pos, :width]
         else:
-            c = mb["output_from"]
+            c = mb.output_from
             out[torch.tensor(g), c: c + part.shape[1]] = part
     return out
 
@@ -313,9 +303,6 @@ class RLStage(Stage):
             self.kl_ctl = A.FixedKLController(r.kl_coef)
         self.nonfinite_in_a_row = 0
         self.kl_over_ceiling = 0
-        # the fused head's logit chunks on a CPU, kept from one micro-batch's scoring or training
-        # to the next (one chunk's logits, <= 256 MiB; ops.ChunkBuffer)
-        self.chunk_buffer = ChunkBuffer()
         self.phases = PhaseScheduler(self.all_roles, self._phase_plan(), offloadable=self._offloadable())
 
     # -- residency ----------------------------------------------------------------------------
@@ -433,10 +420,10 @@ class RLStage(Stage):
         if "reward" in self.all_roles:
             with clock.phase("score_reward"):
                 values = collect_per_token(self.all_roles["reward"], exp, self._plan(exp),
-                                           lambda b, o: per_row(b, o.squeeze(-1)), packed=r.packing,
+                                           lambda b, o: b.per_row(o.squeeze(-1)), packed=r.packing,
                                            share_prompts=r.share_prompts)
             rm = A.sequence_reward(values, exp.prompt_lens, torch.tensor(exp.lengths) - 1,
-                                   getattr(self.all_roles["reward"], "reward_pooling", "last"))
+                                   self.all_roles["reward"].reward_pooling or "last")
             scores += r.reward_model_coef * rm
             _add(pairs, "reward/model_mean", rm.double().sum(), len(rm))
         if r.overlong == "soft":
@@ -486,7 +473,7 @@ class RLStage(Stage):
         micro-batch plan of these rows."""
         r = self.cfg.rl
         groups = self._plan(exp)
-        logprobs = _token_logprobs(self.cfg.model.vocab_size, r.temperature, chunk_buffer=self.chunk_buffer)
+        logprobs = _token_logprobs(self.cfg.model.vocab_size, r.temperature)
         fused, packed, share = r.fused_head, r.packing, r.share_prompts
         if r.old_logprobs == "rollout":  # the sampled distribution's own log-probs
             exp.old_logp = exp.rollout_logp
@@ -501,7 +488,7 @@ class RLStage(Stage):
         if "critic" in self.all_roles:
             with clock.phase("score_critic"):
                 exp.values = collect_per_token(self.all_roles["critic"], exp, groups,
-                                               lambda b, o: per_row(b, o.squeeze(-1)), packed=packed,
+                                               lambda b, o: b.per_row(o.squeeze(-1)), packed=packed,
                                                share_prompts=share)
         return groups
 
@@ -591,7 +578,7 @@ class RLStage(Stage):
         def fused_loss(batch, head):
             """The same loss, its gradient taken inside the output layer (ops.head_token_loss):
             each token's loss depends on its own log-prob and entropy, weighted by the aggregation."""
-            take = (lambda v: v[batch["unpack"]][None]) if "unpack" in batch else (lambda v: v)  # head's layout
+            take = batch.head_layout
             mask = take(batch["mask"])
             labels = take(batch["labels"]).masked_fill(~mask, IGNORE_INDEX)
             names = ("old_logp", "advantages") + (("ref_logp",) if kl_loss else ())
@@ -605,11 +592,11 @@ class RLStage(Stage):
                 return (per_token * flat["weight"][pos]).sum()
 
             loss_sum, logp, entropy = head_token_loss(head, labels, token_loss, temperature=r.temperature,
-                                                      with_entropy=r.entropy_coef > 0, chunk_buffer=self.chunk_buffer)
+                                                      with_entropy=r.entropy_coef > 0)
             with torch.no_grad():  # the metrics, from the same log-probs
                 _, count, metrics = A.ppo_policy_loss(
-                    per_row(batch, logp), batch["old_logp"], batch["advantages"], batch["mask"], agg=r.loss_agg,
-                    entropy=None if entropy is None else per_row(batch, entropy),
+                    batch.per_row(logp), batch["old_logp"], batch["advantages"], batch["mask"], agg=r.loss_agg,
+                    entropy=None if entropy is None else batch.per_row(entropy),
                     ref_logp=batch.get("ref_logp") if kl_loss else None, max_len=r.max_new_tokens, **clip)
             metrics["loss"] = torch.stack([loss_sum.detach().double(), count.double()])
             return loss_sum, count, metrics
@@ -618,7 +605,7 @@ class RLStage(Stage):
 
     def _value_loss(self):
         r = self.cfg.rl
-        return lambda batch, values: A.value_loss(per_row(batch, values.squeeze(-1)), batch["values"],
+        return lambda batch, values: A.value_loss(batch.per_row(values.squeeze(-1)), batch["values"],
                                                   batch["returns"], batch["mask"], clip=r.value_clip)
 
     def _train(self, role: Role, exp: Experience, loss_fn, step: int, prefix: str, hidden: bool = False) -> dict:

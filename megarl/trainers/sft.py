@@ -46,8 +46,7 @@ def build_stage(cfg: Config, stage_dir: str) -> SupervisedStage:
     tok = data_setup.tokenizer(cfg)
     paths = data_setup.stage_paths(cfg, STAGE)
     role = Role(STAGE, cfg.model, cfg.parallel, head="lm", precision=cfg.train.precision, fp8=cfg.train.fp8,
-                seed=cfg.train.seed, optim=cfg.optim, schedule=cfg.lr_schedule, train_steps=cfg.train.steps,
-                cpu_half_gemm=cfg.train.cpu_half_gemm)
+                seed=cfg.train.seed, optim=cfg.optim, schedule=cfg.lr_schedule, train_steps=cfg.train.steps)
     weights.init_weights(cfg, role)
     train = data_setup.train_iterator(cfg, paths["train"], "sft", tok, stage_dir)
     eval_ds = data_setup.dataset(cfg, paths["eval"], "sft", tok, packing=False) if paths["eval"] else None

@@ -196,8 +196,7 @@ def build_role(cfg: Config, name: str, *, trained: bool):
     rc = role_config(cfg, name)
     role = Role(name, rc.model, cfg.parallel, head="lm" if name in LM_ROLES else "scalar",
                 precision=rc.precision, fp8=cfg.train.fp8, seed=cfg.train.seed,
-                optim=rc.optim if trained else None, schedule=rc.lr_schedule, train_steps=optimizer_steps(cfg),
-                cpu_half_gemm=cfg.train.cpu_half_gemm)
+                optim=rc.optim if trained else None, schedule=rc.lr_schedule, train_steps=optimizer_steps(cfg))
     src = load_role_weights(cfg, role, rc.init_from, f"roles.{name}.init_from")
     log.info("%s initialised from %s", name, src)
     return role
