@@ -3,6 +3,7 @@
     python bench/bench_gpu_ops.py [--hbm-tbps 3.35] [--tokens 8192] [--vocab 152064] [--iters 20]
                                   [--json out.json] [--rl-step [--quick] [--workload realistic]]
     python bench/bench_gpu_ops.py --head [--tokens 16384] [--vocab 152064] [--hidden 4096]
+    python bench/bench_gpu_ops.py --decode [--shape 1b|8b] [--rows 8,64,256] [--new-tokens 256]
 
 Log-probs/entropy, bf16 logits [tokens, vocab]: the forward must read the logits once, the
 backward read them once more and write the gradient once, so the floors are
@@ -25,9 +26,19 @@ two scoring forwards (old log-probs, reference) + 6 P per token trained on, P = 
 (layers + output layer; attention's s^2 FLOPs and the embedding lookup are not counted).
 --workload realistic: the same model with bench_rl_step's realistic lengths and vocabulary (vocab
 151936, prompts of 40..200 tokens, EOS-ended long-tailed responses, mean target 128, up to 512
-new tokens, --quick 256); one stage, rl.packing on and off in turn (a warm-up step each, then
---steps timed steps each), phase seconds side by side; --profile: torch.profiler tables of one
-more packed step's scoring and training (the profiler starts when its generation returns).
+new tokens, --quick 256); one warm-up step, then --steps timed steps, phase seconds; --profile:
+torch.profiler tables of one more step's scoring and training (the profiler starts when its
+generation returns).
+
+--decode: the rollout engine alone (MegatronRolloutEngine.generate, random bf16 weights, prompts of
+128 tokens, --new-tokens each with no stop id), at each --rows, with decode steps three ways:
+"eager" (the per-step path: a host read per token), "static" (the graph-safe step, no CUDA graph)
+and "graphs" (the same step captured per bucket and replayed). Reported per way: generated tokens
+per second (generate call, prefill included), the mean decode step in ms, and that against the
+step's HBM floor: one read of the weights (all GEMM parameters and the LM head, bf16) plus the KV
+cache the step attends to (2 x layers x rows x KV heads x head dim x 2 bytes per cached token, at
+the mean cached length), over the device's peak bandwidth. --shape 1b is the --rl-step model;
+8b is Llama-3.1-8B's shape (hidden 4096, 32 layers, ffn 14336, 32/8 heads, vocab 128256), TP 1.
 
 --head: the fused output layer + log-prob (megarl.ops.linear_logprobs_and_entropy; "fused-lp"
 without entropy) against output layer -> [T, V] logits -> logprobs_and_entropy ("unfused"), bf16
@@ -123,16 +134,24 @@ def main():
     ap.add_argument("--rl-step", action="store_true", help="rollout tokens/s and RL-step MFU at a 1B shape instead")
     ap.add_argument("--quick", action="store_true", help="--rl-step: 64 new tokens instead of 256")
     ap.add_argument("--workload", choices=("default", "realistic"), default="default",
-                    help="--rl-step: realistic = 152k vocabulary, ragged EOS-ended responses, packing off vs on")
+                    help="--rl-step: realistic = 152k vocabulary, ragged EOS-ended responses")
     ap.add_argument("--steps", type=int, default=1, help="--rl-step --workload realistic: timed steps each")
-    ap.add_argument("--profile", action="store_true", help="--rl-step --workload realistic: profile a packed step")
+    ap.add_argument("--profile", action="store_true", help="--rl-step --workload realistic: profile one more step")
     ap.add_argument("--head", action="store_true", help="fused output layer + log-prob vs logits + op instead")
     ap.add_argument("--hidden", type=int, default=4096, help="--head: hidden size")
+    ap.add_argument("--decode", action="store_true", help="rollout tokens/s and the decode step against its HBM floor")
+    ap.add_argument("--shape", choices=("1b", "8b"), default="1b", help="--decode: model shape")
+    ap.add_argument("--rows", default="8,64,256", help="--decode: comma-separated row counts")
+    ap.add_argument("--new-tokens", type=int, default=256, help="--decode: tokens generated per row")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("no CUDA device: this benchmark needs a GPU")
     name = torch.cuda.get_device_name()
     peaks = device_peaks(name)
+    if args.decode:
+        if peaks is None and args.hbm_tbps is None:
+            raise SystemExit(f"{name} is not in PEAKS (bench/bench_gpu_ops.py): pass --hbm-tbps")
+        return write_json(args.json, name, bench_decode(args, (args.hbm_tbps or peaks[0]) * 1e12))
     if args.rl_step or args.head:
         if peaks is None:
             raise SystemExit(f"{name} is not in PEAKS (bench/bench_gpu_ops.py): its BF16 peak is unknown")
@@ -237,7 +256,7 @@ def bench_rl_step(args, bf16_peak_flops):
     shape = argparse.Namespace(hidden=2048, ffn=5632, layers=16, heads=16, kv_heads=8, vocab=32000, prompts=8,
                                samples=8, prompt_len=128, new_tokens=new_tokens, micro_batch=8, beta=0.04,
                                old_logprobs="recompute", max_pos=128 + new_tokens, workload="default",
-                               prompt_min=128, packing="off", precision="bf16")  # the GPU's precision
+                               prompt_min=128, precision="bf16")  # the GPU's precision
     with tempfile.TemporaryDirectory() as work:
         model_dir, prompts_file = rl.build_assets(shape, work)
         stage = rl.build_megarl(shape, model_dir, prompts_file, work)
@@ -259,6 +278,62 @@ def bench_rl_step(args, bf16_peak_flops):
           f"{seconds:.2f} s | rollout {m['perf/generate_tokens_per_s']:.0f} tokens/s | MFU {100 * mfu:.1f}% |")
     return {"op": "rl_step", "shape": f"1B, {rows} x ({shape.prompt_len} + {new_tokens})", "seconds": seconds,
             "rollout_tokens_per_s": m["perf/generate_tokens_per_s"], "mfu": mfu, "model_flops": flops}
+
+
+DECODE_SHAPES = {"1b": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16,
+                            num_kv_heads=8, vocab_size=32000),
+                 "8b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                            num_kv_heads=8, vocab_size=128256)}
+
+
+def bench_decode(args, bw):
+    """Rollout tokens/s and the decode step against its HBM floor, eager / static / graphs."""
+    from megarl.config import ModelConfig, ParallelConfig
+    from megarl.roles.role import Role
+    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+    from megarl.runtime.distributed import init_distributed
+
+    prompt, T = 128, args.new_tokens
+    shape = DECODE_SHAPES[args.shape]
+    init_distributed(1, 1, seed=1)
+    mc = ModelConfig(**shape, max_position_embeddings=prompt + T, init_std=0.02)
+    role = Role("actor", mc, ParallelConfig(), head="lm", precision="bf16", seed=1)
+    # what a decode step reads whole: every linear and the LM head (the tied embedding, when tied);
+    # of the input embedding only the rows looked up
+    weights = sum(p.numel() for n, p in role.model.named_parameters() if "embedding" not in n)
+    weights += mc.vocab_size * mc.hidden_size if mc.tie_embeddings else 0
+    hd = mc.hidden_size // mc.num_attention_heads
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
+          f"{args.shape} shape ({weights / 1e9:.2f}B GEMM parameters), bf16, prompts {prompt} + {T} new tokens, "
+          f"HBM peak {bw / 1e12:.2f} TB/s; command: python bench/bench_gpu_ops.py --decode --shape {args.shape} "
+          f"--rows {args.rows} --new-tokens {T}\n")
+    print("| rows | decode | tokens/s | decode step | HBM floor | x floor | CUDA graphs | host syncs |")
+    print("|---|---|---|---|---|---|---|---|")
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for rows in (int(r) for r in args.rows.split(",")):
+        prompts = torch.randint(1, mc.vocab_size, (rows, prompt), generator=g).tolist()
+        kv_bytes = 2 * mc.num_layers * rows * mc.num_kv_heads * hd * 2 * (prompt + T / 2)
+        floor_ms = (2 * weights + kv_bytes) / bw * 1e3
+        for way, kw in (("eager", dict(static_decode=False)), ("static", dict(static_decode=True, cuda_graphs=False)),
+                        ("graphs", dict(static_decode=True, cuda_graphs=True))):
+            eng = MegatronRolloutEngine(role, vocab_size=mc.vocab_size, pad_id=0, max_batch_size=rows, **kw)
+            params = SamplingParams(temperature=1.0, max_new_tokens=T)
+            eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8), seed=0)  # warm-up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            r = eng.generate(prompts, params, seed=1)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            tokens = int(r.response_lens.sum())
+            step_ms = r.stats["decode_s"] / max(T - 1, 1) * 1e3
+            row = {"op": "decode", "shape": args.shape, "rows": rows, "way": way, "tokens_per_s": tokens / seconds,
+                   "decode_step_ms": step_ms, "hbm_floor_ms": floor_ms, "x_floor": step_ms / floor_ms,
+                   "cuda_graphs": r.stats.get("cuda_graphs", 0), "host_syncs": r.stats.get("host_syncs", T - 1)}
+            out.append(row)
+            print(f"| {rows} | {way} | {row['tokens_per_s']:,.0f} | {step_ms:.2f} ms | {floor_ms:.2f} ms | "
+                  f"{row['x_floor']:.1f}x | {row['cuda_graphs']} | {row['host_syncs']} |")
+    return out
 
 
 def bench_head(args):
@@ -315,9 +390,8 @@ def bench_head(args):
 
 
 def bench_rl_step_realistic(args):
-    """Phase seconds of GRPO steps at the 1B shape on the realistic workload, rl.packing off and
-    on in turn on one stage (one warm-up step each, then --steps timed steps each, interleaved):
-    the generate phase is the same code in both, so its spread is the noise."""
+    """Phase seconds of GRPO steps at the 1B shape on the realistic workload (one warm-up step,
+    then --steps timed steps)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_rl_step as rl
 
@@ -326,32 +400,31 @@ def bench_rl_step_realistic(args):
                                prompts=8, samples=8, prompt_len=rl.REALISTIC["prompt_len"], prompt_min=40,
                                new_tokens=new_tokens, mean_len=128, micro_batch=8, beta=0.04,
                                old_logprobs="recompute", max_pos=rl.REALISTIC["prompt_len"] + new_tokens,
-                               workload="realistic", packing="on", precision="bf16")
+                               workload="realistic", precision="bf16")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, command: "
           f"python bench/bench_gpu_ops.py --rl-step --workload realistic --steps {args.steps}"
           f"{' --quick' if args.quick else ''}{' --profile' if args.profile else ''}\n")
-    print("| step | rl.packing | step s | " + " | ".join(rl.PHASES) + " | response len mean / max | peak GiB |")
-    print("|---|---|---|" + "---|" * len(rl.PHASES) + "---|---|")
+    print("| step | step s | " + " | ".join(rl.PHASES) + " | response len mean / max | peak GiB |")
+    print("|---|---|" + "---|" * len(rl.PHASES) + "---|---|")
     rows = []
     with tempfile.TemporaryDirectory() as work:
         model_dir, prompts_file = rl.build_assets(shape, work)
         stage = rl.build_megarl(shape, model_dir, prompts_file, work)
-        plan = ["on", "off"] * (1 + args.steps)  # the first two are warm-ups
-        for step, packing in enumerate(plan, start=1):
-            stage.cfg.rl.packing = packing == "on"
+        plan = range(1 + args.steps)  # the first is a warm-up
+        for step in range(1, len(plan) + 1):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             r = rl.megarl_step(stage, step)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() / 2**30
             lens = r["response_lens"]
-            label = f"{step}{' (warm-up)' if step <= 2 else ''}"
-            print(f"| {label} | {packing} | {r['wall']:.2f} | " + " | ".join(f"{r['phases'][p]:.2f}" for p in rl.PHASES)
+            label = f"{step}{' (warm-up)' if step == 1 else ''}"
+            print(f"| {label} | {r['wall']:.2f} | " + " | ".join(f"{r['phases'][p]:.2f}" for p in rl.PHASES)
                   + f" | {sum(lens) / len(lens):.0f} / {max(lens)} | {peak:.1f} |", flush=True)
-            if step > 2:
-                rows.append({"op": "rl_step_realistic", "packing": packing, "seconds": r["wall"],
+            if step > 1:
+                rows.append({"op": "rl_step_realistic", "seconds": r["wall"],
                              "phases": r["phases"], "response_lens": lens, "peak_gib": peak})
-        if args.profile:  # where one packed step's scoring and training time goes
+        if args.profile:  # where one step's scoring and training time goes
             from torch.profiler import ProfilerActivity, profile
 
             # the profiler starts when generation returns: thousands of decode steps' events
@@ -365,7 +438,6 @@ def bench_rl_step_realistic(args):
                 prof.start()
                 return out
 
-            stage.cfg.rl.packing = True
             stage.engine.generate = generate_then_profile
             try:
                 rl.megarl_step(stage, len(plan) + 1)

@@ -5,8 +5,7 @@
                                   [--prompts 8] [--samples 8] [--prompt-len 32] [--new-tokens 128]
                                   [--micro-batch 8] [--beta 0.04] [--old-logprobs rollout|recompute]
                                   [--no-trl] [--profile] [--workload default|realistic]
-                                  [--precision fp32|bf16] [--cpu-half-gemm native|fp32]
-                                  [--packing on|off] [--share-prompts on|off] [--mean-len 200]
+                                  [--precision fp32|bf16] [--mean-len 200]
 
 One random Llama is built with transformers (default init, seeded) and saved with a 32k-word
 WordLevel tokenizer (ids are words "w<id>"; its chat template renders the bare prompt, so both
@@ -40,14 +39,12 @@ each one's phase breakdown: megarl's `perf/<phase>_s`; TRL's from timers wrapped
 `_generate`, `_get_per_token_logps_and_entropies` (reference), `_calculate_rewards` and
 `_generate_and_score_completions` (train = the rest of the step).
 --profile prints torch.profiler's top ops for one more megarl step.
-megarl runs with rl.packing and rl.share_prompts (rows of a micro-batch in one sequence, a
-prompt's samples holding it once); --packing off / --share-prompts off compare without them.
-The GEMM floor of the necessary work counts the prompt once per prompt in generation, scoring
-and training, and is printed as well with the prompt once per sample in scoring and training.
+The GEMM floor of the necessary work counts the prompt once per prompt in generation and once
+per sample in scoring and training (padded rows, as megarl scores and trains them).
 Its GEMM rates are measured right after each timed megarl step (fp32), and each step is compared
 with the floor measured beside it: on a shared VM the machine's speed moves by 10-15% within
 minutes, and a floor measured once, minutes after the steps, moved megarl's ratio more than that
-(docs/benchmarks.md, 2026-12-04 (later)). The summary floor takes each GEMM's median rate over
+(docs/benchmarks.md, "RL step vs TRL (CPU)"). The summary floor takes each GEMM's median rate over
 those measurements, and the spread of the floor across them is printed.
 """
 import argparse
@@ -163,8 +160,7 @@ def build_megarl(args, model_dir: str, prompts_file: str, work: str):
         "rl.ppo_epochs=1", "rl.mini_batches=1", f"rl.micro_batch_size={args.micro_batch}",
         f"rl.kl_coef={args.beta}", "rl.kl_in=loss", "rl.kl_estimator=k3", "rl.clip_low=0.2", "rl.clip_high=0.2",
         "rl.loss_agg=token-mean", f"rl.reward_fn={os.path.abspath(__file__)}:reward",
-        f"rl.old_logprobs={args.old_logprobs}", f"rl.packing={str(args.packing == 'on').lower()}",
-        f"rl.share_prompts={str(getattr(args, 'share_prompts', 'on') == 'on').lower()}",  # the CLI's default
+        f"rl.old_logprobs={args.old_logprobs}",
         "optim.lr=1e-6", "optim.weight_decay=0.0", "optim.clip_grad=1.0", "lr_schedule.style=constant",
         f"train.precision={args.precision}",
         "train.seed=1", f"train.run_dir={work}", "tracking.backend=none",
@@ -202,15 +198,14 @@ def megarl_step(stage, step: int) -> dict:
 # The GEMM floor of the work a step needs
 
 
-def necessary_flops(args, prompt_len: float, response_len: float, shared: bool = True) -> dict:
+def necessary_flops(args, prompt_len: float, response_len: float, shared: bool = False) -> dict:
     """GEMM FLOPs of the work one GRPO step needs, per (linear, GEMM kind), at the step's mean
     prompt and response lengths (linear layers' FLOPs are linear in the token count): the prompt
     prefilled once per prompt (not per sample), one decode step per response token (every
-    layer + the LM head), the reference's forward and the actor's forward + backward over the
-    prompt once per prompt (its samples share it: rl.share_prompts) + each response, the LM
-    head only on the response columns; no padding. Old log-probs come from the rollout
-    (--old-logprobs rollout), so the actor scores nothing. shared=False: the prompt once per
-    sample in scoring and training, as the floor counted it before rl.share_prompts."""
+    layer + the LM head), the reference's forward and the actor's forward + backward over each
+    row's prompt + response (shared=True: the prompt once per prompt), the LM head only on the
+    response columns; no padding. Old log-probs come from the rollout (--old-logprobs rollout),
+    so the actor scores nothing."""
     from bench_gemm_floor import linears
 
     rows = args.prompts * args.samples
@@ -285,7 +280,7 @@ def decode_seconds(args, reps: int = 3) -> dict:
     return seconds
 
 
-def phase_floors(args, rates: dict, prompt_len: float, response_len: float, shared: bool = True) -> dict:
+def phase_floors(args, rates: dict, prompt_len: float, response_len: float, shared: bool = False) -> dict:
     """`necessary_flops` at `rates` as CPU-s per phase: generate (decode fwd), score_reference
     (one forward), train_actor (a forward, the input and the weight gradients) and the step."""
     flops = necessary_flops(args, prompt_len, response_len, shared)
@@ -500,8 +495,7 @@ def report(args, mg: dict, trl: dict | None, decode_s: dict | None = None) -> No
           f"{args.heads} heads ({args.kv_heads} KV), vocab {args.vocab}, {args.precision}"
           f", 1 PPO epoch, 1 optimizer step "
           f"of {rows // args.micro_batch} micro-batches x {args.micro_batch}, beta {args.beta}, "
-          f"{args.threads} thread(s), 1 warm-up + {args.steps} timed steps each, interleaved; megarl "
-          f"rl.packing={args.packing == 'on'}, rl.share_prompts={args.share_prompts == 'on'}\n")
+          f"{args.threads} thread(s), 1 warm-up + {args.steps} timed steps each, interleaved\n")
     print("| framework | best s/step (wall) | median s/step (wall) | best CPU-s/step | median CPU-s/step "
           "| mean response length |")
     print("|---|---|---|---|---|---|")
@@ -538,10 +532,6 @@ def report(args, mg: dict, trl: dict | None, decode_s: dict | None = None) -> No
               f"(target <= 1.25x)"
               + (f"; TRL {trl['cpu_mean'] / floor:.2f}x (its mean response {trl['response_len']:.0f} tokens)"
                  if trl is not None else ""))
-        unshared = phase_floors(args, rates, mg["prompt_len"], mg["response_len"], shared=False)["step"]
-        print(f"\nThe floor counting the prompt once per sample in scoring and training (as before "
-              f"rl.share_prompts): {unshared:.2f} CPU-s per step; megarl {mg['cpu_mean'] / unshared:.2f}x"
-              + (f", TRL {trl['cpu_mean'] / unshared:.2f}x" if trl is not None else ""))
         beside = [phase_floors(args, r["rates"], r["prompt_len"], r["response_len"])["step"] for r in mg["steps"]]
         per_step = [r["cpu"] / f for r, f in zip(mg["steps"], beside)]
         pairs = ", ".join(f"{r['cpu']:.2f} / {f:.2f} = {x:.2f}x" for r, f, x in zip(mg["steps"], beside, per_step))
@@ -604,10 +594,6 @@ def main() -> None:
                     help="realistic: prompts 40..200 tokens, EOS-ended long-tailed responses up to 1024, "
                          "vocab 151936 at hidden 256 (set before other options apply)")
     ap.add_argument("--mean-len", type=int, default=200, help="realistic: target mean response length")
-    ap.add_argument("--packing", choices=("on", "off"), default="on",
-                    help="megarl's rl.packing (rows of a micro-batch in one sequence, no padding)")
-    ap.add_argument("--share-prompts", choices=("on", "off"), default="on",
-                    help="megarl's rl.share_prompts (with packing: a prompt's samples share its tokens)")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                     help="both frameworks' training precision (bf16: the same on both sides)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)

@@ -119,3 +119,33 @@ def assert_same_figures(got, ref, name, *, clip_tol, rel=1e-5, abs_=1e-6):
                 continue
             tol = dict(abs=clip_tol) if "clip_fraction" in k else dict(rel=rel, abs=abs_)
             assert a[k] == pytest.approx(b[k], **tol), (name, k, a[k], b[k])
+
+
+def dp_microbatches(global_batch: dict, micro_batch_size: int) -> list[dict]:
+    """This DP rank's share of a global batch (rows in rank order), cut into microbatches.
+
+    Every tensor in `global_batch` has the global batch as dim 0; None values pass through.
+    """
+    from megatron.core import parallel_state as ps
+
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    n = next(v.shape[0] for v in global_batch.values() if isinstance(v, torch.Tensor))
+    per_rank = n // dp
+    lo = rank * per_rank
+    out = []
+    for start in range(lo, lo + per_rank, micro_batch_size):
+        out.append({k: (v[start:start + micro_batch_size] if isinstance(v, torch.Tensor) else v)
+                    for k, v in global_batch.items()})
+    return out
+
+
+def masked_mse(values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor):
+    """Squared error of per-token values (critic regression), summed over masked-in tokens.
+
+    values, targets, mask: [b, s].
+    """
+    m = mask.to(values.dtype)
+    err = (values.float() - targets.float()) ** 2 * m
+    loss_sum = 0.5 * err.sum()
+    count = m.sum().to(torch.int)
+    return loss_sum, count, {"value_loss": torch.stack([loss_sum.detach().double(), count.double()])}

@@ -23,7 +23,7 @@ def _loss(batch, logits):
 
 
 def _step(role, step):
-    from megarl.trainers.common import dp_microbatches
+    from dist_helpers import dp_microbatches
 
     return role.train_step(dp_microbatches(P._global_batch(step), P.MBS), _loss).metrics["loss"]
 

@@ -13,27 +13,19 @@ from megarl_run import TINY, megarl, train_losses
 
 
 def test_micro_batch_tensors_move_and_everything_else_passes_through():
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     from megarl.roles.microbatch import MicroBatch
 
-    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     batch = MicroBatch.of({
         "tokens": torch.arange(14).view(2, 7), "position_ids": torch.arange(7).expand(2, 7),
-        "last": torch.tensor([2, 6]), "attention_mask": None, "return_hidden": True, "output_from": 3,
-        "packed_seq_params": PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                             max_seqlen_q=4, max_seqlen_kv=4)})
+        "last": torch.tensor([2, 6]), "attention_mask": None, "return_hidden": True, "output_from": 3})
     assert set(batch.data) == {"last"}, "model keys are fields, the rest is the loss's data"
     moved = batch.to(torch.device("meta"))
     assert moved.tokens.device.type == "meta" and moved["last"].device.type == "meta"
     assert moved.attention_mask is None and moved.return_hidden is True and moved.output_from == 3
-    p = moved.packed_seq_params
-    assert p.cu_seqlens_q.device.type == "meta" and p.cu_seqlens_kv.device.type == "meta"
-    assert p.qkv_format == "sbhd" and p.max_seqlen_q == 4
     assert batch.tokens.device.type == "cpu", "the host batch is left as it was"
     same = batch.to(torch.device("cpu"))
     assert same.tokens is batch.tokens, "on the device already: no copy"
-    assert set(moved.model_kwargs()) == {"output_from", "return_hidden", "packed_seq_params"}
+    assert moved.model_kwargs() == {"output_from": 3, "return_hidden": True}
 
 
 @pytest.mark.gpu

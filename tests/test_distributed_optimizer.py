@@ -35,7 +35,7 @@ def _role(distributed: bool, precision: str = "fp32", seed: int = 5, clip: bool 
 
 
 def _step(role, step):
-    from megarl.trainers.common import dp_microbatches
+    from dist_helpers import dp_microbatches
 
     r = role.train_step(dp_microbatches(P._global_batch(step), P.MBS), C._loss)
     return r.metrics["loss"], r.grad_norm
@@ -129,7 +129,7 @@ def _load_body(rank, world, roots, weights_into_bf16=None):
     one step (lr 0: the first warmup step), which must leave exactly the loaded weights.
     """
     from megarl.checkpoint.distributed import latest_checkpoint, load_checkpoint, load_weights
-    from megarl.trainers.common import dp_microbatches
+    from dist_helpers import dp_microbatches
     from megarl.runtime.distributed import init_distributed, teardown
 
     init_distributed(1, 1, seed=11)

@@ -425,29 +425,14 @@ COMMANDS = {
     "megarl sft --config configs/tiny_sft.yaml train.run_dir=R [train.steps=N]": (Validate(),),
     "megarl rm --config configs/tiny_rm.yaml train.run_dir=R [overrides below]": (Validate(needs=("sft",)),),
     "python bench/bench_gpu_ops.py --hbm-tbps 3.35": (Help(),),  # needs CUDA
-    "python bench/bench_step.py --shapes small --reps 5 --threads 1 --ablate": (Help(),),
-    "python bench/bench_step.py --shapes big --reps 3 --threads 1 --ablate --modes train,forward": (Help(),),
-    "python bench/bench_step.py --quick": (Help(),),
+    "python bench/bench_gpu_ops.py --decode --shape 1b --rows 8,64,256 --new-tokens 256": (Help(),),  # needs CUDA
+    "launchers/gpu/first_check.sh": (Script(runs="pytest -q -m gpu"),),  # needs CUDA: its syntax and steps here
     "python bench/bench_step.py --gpu": (Help(),),
-    "megarl sft --config configs/tiny_sft.yaml train.run_dir=R train.steps=N train.eval_interval=0 "
-    "checkpoint.save_interval=50 checkpoint.keep_last=10 tracking.backend=none": (Validate(),),
-    "megarl eval --config configs/tiny_grpo.yaml train.run_dir=R tracking.backend=none "
-    "--checkpoint R/sft/checkpoints/step_0000XXXX":
-        (Validate(), Files(("runs/quickstart/sft/checkpoints/step_00000002",), needs=("sft",))),
-    "megarl rl --config configs/tiny_grpo.yaml train.run_dir=R2 roles.actor.init_from=R/sft/checkpoints/step_00000400 "
-    "tracking.backend=none train.steps=S train.eval_interval=E [overrides in the table]": (Validate(needs=("sft",)),),
-    "megarl rl --config configs/tiny_ppo.yaml train.run_dir=R optim.lr=3e-5 optim.beta2=0.999 rl.mini_batches=1 "
-    "rl.micro_batch_size=64 train.steps=20 train.eval_interval=0 checkpoint.save_interval=10 tracking.backend=none":
-        (Validate(needs=("rm",)),),
-    "megarl eval --config configs/tiny_grpo.yaml train.run_dir=R tracking.backend=none --checkpoint R/rl/checkpoints":
-        (Validate(), Files(("runs/quickstart/rl/checkpoints/latest",), needs=("grpo",))),
     "megarl pipeline --config configs/tiny_pipeline.yaml --stages sft train.run_dir=R data.synthetic.sft_mistakes=M":
         (Validate(),),
     "megarl pipeline --config configs/tiny_pipeline.yaml --stages rl train.run_dir=R data.synthetic.sft_mistakes=M "
     "[stages.rl.optim.lr=LR stages.rl.train.steps=S]": (Validate(),),
     "megarl pipeline --config configs/tiny_pipeline.yaml --stages sft,rl train.run_dir=R train.seed=4321": (Validate(),),
-    "megarl rl --config configs/tiny_ppo.yaml train.run_dir=R train.steps=40 train.eval_interval=20 rl.eval_prompts=200":
-        (Validate(needs=("rm",)),),
     # ---- docs/benchmarks.md: DAPO vs GRPO, tools with and without the calculator
     "megarl sft --config configs/tiny_sft.yaml train.run_dir=R tracking.backend=none": (Validate(),),
     "megarl rl --config configs/tiny_grpo.yaml train.run_dir=R train.seed=S data.seed=1234 rl.eval_prompts=200 "

@@ -144,6 +144,21 @@ def test_fused_head_verdicts():
     assert doctor.head_result({"rows": _head_report()["rows"][:2]})[0] == "FAIL"  # one mode missing
 
 
+def _decode_report(eager_tps=2500.0):
+    row = {"op": "decode", "shape": "1b", "rows": 64, "decode_step_ms": 2.0, "hbm_floor_ms": 0.8, "x_floor": 2.5}
+    return {"rows": [{**row, "way": "eager", "tokens_per_s": eager_tps, "decode_step_ms": 25.0, "x_floor": 31.0},
+                     {**row, "way": "static", "tokens_per_s": 3000.0},
+                     {**row, "way": "graphs", "tokens_per_s": 20000.0}]}
+
+
+def test_decode_verdicts():
+    status, reason, figures = doctor.decode_result(_decode_report())
+    assert status == "PASS" and "graphs 20000 tokens/s (2.5x the HBM floor)" in reason
+    assert figures["eager"]["x_floor"] == 31.0
+    assert doctor.decode_result(_decode_report(eager_tps=float("nan")))[0] == "FAIL"
+    assert doctor.decode_result({"rows": _decode_report()["rows"][:2]})[0] == "FAIL"  # a way missing
+
+
 def test_run_check_builds_each_command_and_judges_its_result():
     seen = []
 
@@ -157,6 +172,8 @@ def test_run_check_builds_each_command_and_judges_its_result():
             return 0, "", {"rows": [{"op": "rl_step", "shape": "1B", "rollout_tokens_per_s": 1.0, "mfu": 0.1}]}
         if "--head" in argv:
             return 0, "", _head_report()
+        if "--decode" in argv:
+            return 0, "", _decode_report()
         return 0, "", _bench_report()
 
     quick = argparse.Namespace(**{**vars(GPU_ARGS), "quick": True, "hbm_tbps": 4.8})
@@ -167,6 +184,7 @@ def test_run_check_builds_each_command_and_judges_its_result():
     assert seen[2][-1].startswith("tests/test_fp8.py::") and seen[3][-1].startswith("tests/test_offload.py::")
     assert seen[4] == ["bench/bench_gpu_ops.py", "--head", "--iters", "3"]
     assert seen[5] == ["bench/bench_gpu_ops.py", "--rl-step", "--quick"]
+    assert seen[6] == ["bench/bench_gpu_ops.py", "--decode", "--rows", "64", "--new-tokens", "64"]
     subset = argparse.Namespace(**{**vars(GPU_ARGS), "tests": "fp8 or offload"})
     seen.clear()
     doctor.run_check("gpu_tests", subset, run=run)

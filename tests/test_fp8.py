@@ -61,7 +61,6 @@ def test_off_leaves_megatron_core_defaults():
     from megatron.core.transformer import TransformerConfig
 
     assert fp8_map.transformer_config_fields(None) == {} == fp8_map.transformer_config_fields(FP8Config())
-    assert fp8_map.ddp_config_fields(FP8Config(param_gather=True)) == {}
     tc, default = _tc(FP8Config()), TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
     for name in ("fp8", "fp8_recipe", "fp8_param", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
                  "first_last_layers_bf16"):
@@ -83,15 +82,6 @@ def test_every_field_reaches_transformer_config(recipe):
         from megatron.core.fp8_utils import is_first_last_bf16_layer
 
         assert [is_first_last_bf16_layer(tc, i) for i in range(4)] == [True, False, True, True]
-
-
-def test_param_gather_reaches_ddp_config():
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    fields = fp8_map.ddp_config_fields(FP8Config(format="e4m3", param_gather=True))
-    assert fields == {"fp8_param_gather": True}
-    assert DistributedDataParallelConfig(use_distributed_optimizer=True, **fields).fp8_param_gather
-    assert fp8_map.ddp_config_fields(ON) == {}
 
 
 class _FakeRecipe:

@@ -40,11 +40,13 @@ def _global_batch(step):
 
 
 def _body(rank, world_size, tp, pp):
-    from megarl.algorithms.losses import masked_mse, masked_nll
+    from dist_helpers import masked_mse
+    from megarl.algorithms.losses import masked_nll
     from megarl.models.layout import gather_full_state_dict
     from megarl.roles.role import Role
     from megarl.runtime.distributed import init_distributed, teardown
-    from megarl.trainers.common import dp_microbatches, token_logprobs
+    from dist_helpers import dp_microbatches
+    from megarl.trainers.common import token_logprobs
 
     init_distributed(tp, pp, seed=11)
     model, parallel, optim, sched = _configs(tp, pp)

@@ -40,7 +40,7 @@ def _batch(step):
 
 
 def _mbs(step):
-    from megarl.trainers.common import dp_microbatches
+    from dist_helpers import dp_microbatches
 
     return dp_microbatches(_batch(step), MBS)
 
@@ -53,7 +53,7 @@ def _lm_loss(batch, logits):
 
 
 def _value_loss(batch, values):
-    from megarl.algorithms.losses import masked_mse
+    from dist_helpers import masked_mse
 
     return masked_mse(values.squeeze(-1).float(), batch["value_targets"], batch["loss_mask"])
 

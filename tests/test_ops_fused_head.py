@@ -283,7 +283,8 @@ def _role_body(rank, world, tp, pp):
     from megarl.models.layout import gather_full_state_dict
     from megarl.roles.role import Role
     from megarl.runtime.distributed import init_distributed, teardown
-    from megarl.trainers.common import dp_microbatches, token_logprobs
+    from dist_helpers import dp_microbatches
+    from megarl.trainers.common import token_logprobs
 
     init_distributed(tp, pp, seed=11)
     g = torch.Generator().manual_seed(3)

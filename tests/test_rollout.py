@@ -273,14 +273,14 @@ def test_padded_vocabulary_never_sampled(single):
 
 
 def test_inverse_cdf_draw_matches_the_distribution():
-    from megarl.rollout.sampling import SamplingParams, draw, filter_logits, row_uniforms
+    from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 12, generator=g) * 1.5
     params = SamplingParams(temperature=0.9, top_k=8, top_p=0.9)
     filtered = filter_logits(logits, params)
     rows = 20000
-    ids = draw(filtered.expand(rows, -1), params, row_uniforms(5, torch.arange(rows), 3))
+    ids, _ = sample_tokens(filtered.expand(rows, -1), params, row_uniforms(5, torch.arange(rows), 3), with_logprobs=False)
     p = torch.softmax(filtered[0].double() / 0.9, -1)
     counts = torch.bincount(ids, minlength=12).double()
     assert (counts[p == 0] == 0).all(), "a filtered-out token was drawn"
@@ -299,14 +299,15 @@ def test_inverse_cdf_draw_matches_the_distribution():
                                                              (0.7, 0, 1.0, True)])
 def test_single_pass_logprobs_equal_megarl_ops(temperature, top_k, top_p, greedy):
     """The engine's one-exp-pass draw + log-prob agrees with megarl.ops.logprobs_and_entropy."""
-    from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens, sampled_logprobs
+    from megarl.ops import logprobs_and_entropy
+    from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(64, 300, generator=g) * 3
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy)
     filtered = filter_logits(logits, params)
     ids, lp = sample_tokens(filtered, params, row_uniforms(1, torch.arange(64), 0))
-    ref = sampled_logprobs(filtered, ids, temperature)
+    ref, _ = logprobs_and_entropy(filtered, ids, temperature=temperature, with_entropy=False)
     assert torch.isfinite(lp).all()
     assert (lp - ref).abs().max() < 2e-6, (lp - ref).abs().max()
     if greedy:

@@ -37,8 +37,8 @@ def test_a_stage_process_runs_the_chosen_threads():
 
 
 # The first SFT losses of configs/tiny_sft.yaml at one thread (torch 2.13.0 CPU). A run at one
-# thread is bit-reproducible: all 600 losses agreed between commits 509c93b and a45a861, with and
-# without glibc's hugetlb malloc (docs/benchmarks.md, "Reproducibility"). The tolerance allows
+# thread is bit-reproducible: all 600 losses agreed between commits 509c93b and a45a861
+# (docs/benchmarks.md, "Reproducibility"). The tolerance allows
 # another CPU's kernels (AVX2 vs AVX-512), not another recipe, data or initialisation.
 TINY_SFT_FIRST_LOSSES = [5.552021621196366, 5.546363630144484, 5.177226807111031, 4.881944418853184,
                          4.735785867081208]

@@ -4,7 +4,7 @@ from .advantages import (broadcast_to_tokens, clip_rewards, gae, gae_advantages,
                          reinforce_pp_returns, rloo_advantages, token_rewards, whiten)
 from .dapo import groups_with_signal, overlong_penalty
 from .kl import KL_KINDS, AdaptiveKLController, FixedKLController, kl_estimate
-from .losses import REWARD_POOLING, bradley_terry, masked_mse, masked_nll, sequence_reward
+from .losses import REWARD_POOLING, bradley_terry, masked_nll, sequence_reward
 from .policy import AGG_MODES, aggregate, explained_variance, ppo_policy_loss, ppo_token_loss, token_weights, value_loss
 from .spec import (ALGORITHMS, FIELD_USERS, AdvantageSettings, AlgorithmSpec, algorithm, compute_advantages,
                    config_errors, needed_roles)
@@ -13,7 +13,7 @@ __all__ = [
     "AGG_MODES", "ALGORITHMS", "REWARD_POOLING", "FIELD_USERS", "KL_KINDS", "AdaptiveKLController", "AdvantageSettings",
     "AlgorithmSpec", "FixedKLController", "aggregate", "algorithm", "bradley_terry", "broadcast_to_tokens",
     "clip_rewards", "compute_advantages", "config_errors", "explained_variance", "gae", "gae_advantages", "groups_with_signal",
-    "grpo_advantages", "kl_estimate", "masked_mse", "masked_nll", "needed_roles", "overlong_penalty", "ppo_policy_loss",
+    "grpo_advantages", "kl_estimate", "masked_nll", "needed_roles", "overlong_penalty", "ppo_policy_loss",
     "ppo_token_loss", "reinforce_advantages", "reinforce_pp_returns", "rloo_advantages", "sequence_reward",
     "token_rewards", "token_weights", "value_loss", "whiten",
 ]

@@ -23,18 +23,6 @@ def masked_nll(token_logprobs: torch.Tensor, loss_mask: torch.Tensor):
     return loss_sum, count, {"loss": _metric(loss_sum, count)}
 
 
-def masked_mse(values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor):
-    """Squared error of per-token values (critic regression), summed over masked-in tokens.
-
-    values, targets, mask: [b, s].
-    """
-    m = mask.to(values.dtype)
-    err = (values.float() - targets.float()) ** 2 * m
-    loss_sum = 0.5 * err.sum()
-    count = m.sum().to(torch.int)
-    return loss_sum, count, {"value_loss": _metric(loss_sum, count)}
-
-
 REWARD_POOLING = ("last", "mean")
 
 

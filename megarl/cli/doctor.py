@@ -18,6 +18,9 @@ built. --gpu adds the checks no CPU can make, each PASS / FAIL / SKIPPED with it
                   training, stays <= HEAD_MEMORY_PCT of one fp32 [tokens, V] logits tensor
   rl_step         bench/bench_gpu_ops.py --rl-step: rollout tokens/s and the RL step's MFU at a
                   1B-class shape (PASS: it ran and gave finite figures; the numbers are the result)
+  decode          bench/bench_gpu_ops.py --decode: the rollout at the 1B shape, 64 rows, decode
+                  steps eager / graph-safe / CUDA graphs: tokens/s and the step against its HBM
+                  floor (PASS: all three ran with finite figures; the numbers are the result)
 
 --allreduce (every rank, under torchrun: launchers/slurm/doctor.sbatch on 2 nodes) measures the
 all-reduce bus bandwidth (fp32, 1/16/256 MiB, checked sums) over NCCL, or gloo on CPU.
@@ -263,6 +266,17 @@ def rl_step_result(report: dict) -> tuple[str, str, dict]:
     return "PASS", f"rollout {tps:.0f} tokens/s, RL step MFU {100 * mfu:.1f}% ({row['shape']})", row
 
 
+def decode_result(report: dict) -> tuple[str, str, dict]:
+    rows = {r.get("way"): r for r in report.get("rows", []) if r.get("op") == "decode"}
+    if set(rows) != {"eager", "static", "graphs"}:
+        return "FAIL", "bench_gpu_ops.py --decode did not report eager, static and graphs", {}
+    figures = {way: {k: round(r[k], 2) for k in ("tokens_per_s", "decode_step_ms", "x_floor")} for way, r in rows.items()}
+    if not all(v == v and v > 0 for f in figures.values() for v in f.values()):
+        return "FAIL", f"non-finite figures: {figures}", figures
+    return "PASS", ", ".join(f"{way} {f['tokens_per_s']:.0f} tokens/s ({f['x_floor']:.1f}x the HBM floor)"
+                             for way, f in figures.items()), figures
+
+
 def head_result(report: dict) -> tuple[str, str, dict]:
     """PASS when the fused head's extra peak memory stays <= HEAD_MEMORY_PCT in both modes."""
     rows = {r["op"]: r for r in report.get("rows", []) if r.get("impl") == "fused"}
@@ -281,7 +295,7 @@ def head_result(report: dict) -> tuple[str, str, dict]:
                              f"({f['pct_of_logits']:.1f}% of the logits)" for op, f in figures.items()), figures
 
 
-GPU_CHECKS = ("gpu_tests", "kernels_hbm", "fp8_vs_bf16", "offload_memory", "fused_head", "rl_step")
+GPU_CHECKS = ("gpu_tests", "kernels_hbm", "fp8_vs_bf16", "offload_memory", "fused_head", "rl_step", "decode")
 
 
 def skip_reason(name: str, devices: list[DeviceInfo], no_device: str, repo: str = REPO) -> str:
@@ -330,6 +344,9 @@ def run_check(name: str, args, run: Callable = run_command, bench: Callable = ru
         judge = hbm_result
     elif name == "fused_head":
         argv, judge = [*argv, "--head", "--iters", "3" if args.quick else "10"], head_result
+    elif name == "decode":
+        argv += ["--decode", "--rows", "64", "--new-tokens", "64" if args.quick else "256"]
+        judge = decode_result
     else:
         argv, judge = [*argv, "--rl-step", *(["--quick"] if args.quick else [])], rl_step_result
     rc, out, report = bench(argv, 1800)

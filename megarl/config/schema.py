@@ -252,6 +252,11 @@ class RLConfig:
     top_k: int = 0
     top_p: float = 1.0
     rollout_batch_size: int = 64  # rows per generation micro-batch (bounds the KV cache)
+    # on a GPU, decode steps run the graph-safe step (no host read per token), captured as CUDA
+    # graphs (false: the same step uncaptured); the host reads the finished flags every
+    # decode_sync_every steps. Tools, stop strings and PP > 1 take the per-step path.
+    cuda_graphs: bool = True
+    decode_sync_every: int = 8
     # the behaviour policy's log-probs: recomputed by a forward of the actor (exact: ratio 1 on
     # the first mini-batch), or the rollout's own (saves that forward; needs top_k 0 and top_p 1,
     # since they are log-probs of the filtered distribution)
@@ -260,14 +265,6 @@ class RLConfig:
     # chunked (megarl.ops.head_logprobs): the [tokens, V] logits never exist; false:
     # through the logits (same results within fp32 rounding)
     fused_head: bool = True
-    # scoring and training micro-batches as rows packed into one sequence (attention within rows):
-    # no padding; needs megarl's attention on the local layer spec (no TE, no sequence parallel).
-    # Off by default: it attends row by row, which suits a CPU and is slower than padded SDPA on a GPU
-    packing: bool = False
-    # with packing: the samples of a prompt share it, once per micro-batch, as the prefix their
-    # responses attend to: the prompt's tokens go through the layers once per micro-batch, not
-    # once per sample (exact within fp32 rounding; rows of a prompt stay in one micro-batch)
-    share_prompts: bool = True
     # updates
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch and trained role

@@ -74,6 +74,7 @@ def _rl_rules(cfg: Config, world_size: int, cuda: bool) -> list[str]:
     r, errs = cfg.rl, []
     dp = data_parallel_size(cfg, world_size)
     for name in ("prompts_per_step", "samples_per_prompt", "max_prompt_len", "max_new_tokens", "rollout_batch_size",
+                 "decode_sync_every",
                  "ppo_epochs", "mini_batches", "micro_batch_size", "eval_samples", "max_nonfinite_steps",
                  "kl_ceiling_steps"):
         if getattr(r, name) < 1:
@@ -145,11 +146,6 @@ def _algorithm_rules(cfg: Config, cuda: bool) -> list[str]:
         errs.append(f"rl.max_resample_rounds must be >= 1, got {r.max_resample_rounds}")
     if r.overlong == "soft" and not 0 < r.overlong_buffer <= r.max_new_tokens:
         errs.append(f"rl.overlong_buffer ({r.overlong_buffer}) must be in [1, rl.max_new_tokens={r.max_new_tokens}]")
-    impl = cfg.model.transformer_impl
-    te = impl == "transformer_engine" or (impl == "auto" and cuda and has_module("transformer_engine"))
-    if r.packing and (te or cfg.parallel.sequence_parallel):
-        errs.append("rl.packing packs rows for megarl's own attention: it needs model.transformer_impl=local "
-                    "(or auto without Transformer Engine) and parallel.sequence_parallel=false")
     if r.overlong_penalty < 0:
         errs.append(f"rl.overlong_penalty must be >= 0, got {r.overlong_penalty}")
     roles = A.needed_roles(r)

@@ -168,10 +168,6 @@ class GlobalBatchSampler:
             + m * self.micro_batch_size
         return self._order(epoch)[start:start + self.micro_batch_size].tolist()
 
-    def consumed_after(self, k: int) -> int:
-        """consumed_samples (global) once every rank has taken k micro-batches."""
-        return self.consumed_samples + k * self.micro_batch_size * self.dp_size
-
     def __iter__(self):
         k = 0
         while True:

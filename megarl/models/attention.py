@@ -24,7 +24,6 @@ so in one line for them.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 
 import torch
@@ -91,65 +90,19 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *, caus
     return F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
-def _rows_packed(packed) -> bool:
-    """megarl's packing of RL rows: megatron's PackedSeqParams in the sbhd layout with one
-    sequence of batch 1 (THD belongs to Transformer Engine's attention)."""
-    return packed.qkv_format == "sbhd" and packed.cu_seqlens_q is not None
-
-
 @functools.cache
-def _rows_params_class():
-    """PackedSeqParams of megarl's packed rows, with two fields of its own (dataclass fields, so
-    that copies of the params to a device keep them):
-    `prefix_of` ([segments] int32 tensor or None): segment j continues segment prefix_of[j]
-    (-1: none), i.e. its positions follow that segment's and its tokens attend to it;
-    `host_rows`: what the first layer of a forward read back to the host (see _packed_rows)."""
-    from dataclasses import dataclass, field
+def slot_context_class():
+    """megatron-core's StaticInferenceContext for the graph-safe decode step (rollout/decode.py):
+    `slots` ([b] long on the device, or None) is the cache slot each row's one new token takes
+    (and its RoPE position); the step's attention mask, passed to the model as usual, covers the
+    whole cache (masked: padding and slots after each row's). Nothing of the step is a host
+    value, so the step has the same shapes and reads at every position."""
+    from megatron.core.inference.contexts import StaticInferenceContext
 
-    from megatron.core.packed_seq_params import PackedSeqParams
+    class SlotInferenceContext(StaticInferenceContext):
+        slots = None
 
-    @dataclass
-    class RowsPackedSeqParams(PackedSeqParams):
-        prefix_of: Tensor = None
-        host_rows: tuple = field(default=None, repr=False, compare=False)
-
-    return RowsPackedSeqParams
-
-
-def packed_rows_params(lengths: list[int], prefix_of: list[int] | None = None):
-    """The PackedSeqParams of segments of `lengths` tokens packed into one [T] sequence, for this
-    module's attention: each segment attends causally within itself, and, where prefix_of[j] = p
-    >= 0, to all of segment p before it (p itself continues no segment). This is how the samples
-    of a prompt share it: one segment holds the prompt, one per sample its response."""
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
-    seen = [(n + (lengths[p] if p >= 0 else 0)) for n, p in zip(lengths, prefix_of or [-1] * len(lengths))]
-    kw = dict(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(seen, default=0),
-              max_seqlen_kv=max(seen, default=0))
-    if not prefix_of or all(p < 0 for p in prefix_of):
-        return _rows_params_class()(**kw)
-    if len(prefix_of) != len(lengths) or any(p >= 0 and (p >= j or prefix_of[p] >= 0) for j, p in enumerate(prefix_of)):
-        raise ValueError(f"prefix_of must name an earlier segment that continues none, got {prefix_of}")
-    return _rows_params_class()(**kw, prefix_of=torch.tensor(prefix_of, dtype=torch.int32))
-
-
-def _packed_rows(packed, device: torch.device) -> tuple[list[int], Tensor, list[int] | None]:
-    """The segment offsets (host ints), each token's position ([T] on `device`) and each
-    segment's prefix segment (host ints, or None) of a packed micro-batch, computed by its first
-    layer and kept on megarl's params (`host_rows`) for the others: one host read per forward, not
-    one per layer (per layer for another PackedSeqParams)."""
-    own = isinstance(packed, _rows_params_class())
-    rows = packed.host_rows if own else None
-    if rows is None or rows[0] is not packed.cu_seqlens_q or rows[2].device != device:
-        cu = packed.cu_seqlens_q.tolist()
-        prefix_of = getattr(packed, "prefix_of", None)
-        prefix_of = None if prefix_of is None else prefix_of.tolist()
-        starts = [0 if prefix_of is None or prefix_of[j] < 0 else cu[prefix_of[j] + 1] - cu[prefix_of[j]]
-                  for j in range(len(cu) - 1)]
-        positions = torch.cat([torch.arange(a, a + e - s) for a, s, e in zip(starts, cu, cu[1:])]).to(device)
-        rows = (packed.cu_seqlens_q, cu, positions, prefix_of)
-        if own:
-            packed.host_rows = rows
-    return rows[1], rows[2], rows[3]
+    return SlotInferenceContext
 
 
 @functools.cache
@@ -162,7 +115,7 @@ def self_attention_class():
         def _own_path(self, key_value_states, freqs, rotary_pos_cos, attention_bias, packed_seq_params) -> bool:
             c = self.config
             return (key_value_states is None and attention_bias is None
-                    and (packed_seq_params is None or _rows_packed(packed_seq_params))
+                    and packed_seq_params is None
                     and rotary_pos_cos is None and c.context_parallel_size == 1 and not c.attention_output_gate
                     and not c.flash_decode and not c.rotary_interleaved and not c.multi_latent_attention
                     and c.window_size is None and c.softmax_type == "vanilla"
@@ -195,9 +148,7 @@ def self_attention_class():
                 freqs = None
 
             query, key, value = self.get_query_key_value_tensors(hidden_states, None)  # [s, b, n|g, d]
-            if packed_seq_params is not None:
-                context = self._packed_attention(query, key, value, freqs, packed_seq_params)
-            elif inference_context is None:
+            if inference_context is None:
                 context = self._train_attention(query, key, value, attention_mask, freqs)
             else:
                 context = self._cached_attention(query, key, value, attention_mask, freqs, inference_context)
@@ -221,41 +172,6 @@ def self_attention_class():
                        scale=self._softmax_scale(d))  # [b, n, sq, d]
             return out.permute(2, 0, 1, 3).reshape(sq, b, n * d)
 
-        def _packed_attention(self, query, key, value, freqs, packed):
-            """Rows packed into one sequence ([T, 1, n, d]; segment j is cu[j]:cu[j+1]): RoPE at
-            each segment's own positions and causal attention within each segment, after all of
-            its prefix segment where it has one (a sample's response after its shared prompt),
-            so every row computes what it would alone, without padding or a repeated prompt."""
-            core = self.core_attention
-            if type(core).__name__ != "DotProductAttention" or (self.training and core.attention_dropout.p > 0):
-                raise NotImplementedError("packed rows need megarl's SDPA attention (the local layer spec, "
-                                          "no attention dropout); use rl.packing=false")
-            cu, positions, prefix_of = _packed_rows(packed, query.device)
-            if freqs is not None:
-                query = apply_rope(query, freqs[positions])
-                key = apply_rope(key, freqs[positions])
-            # [1, n|g, T, d], split into the segments' views: split's backward is one cat of
-            # their gradients, where a slice per segment would each fill a [1, n, T, d] zero
-            # gradient and add it up (O(segments x T) memory traffic a layer)
-            sizes = [e - s_ for s_, e in zip(cu, cu[1:])]
-            qs, ks, vs = (x.permute(1, 2, 0, 3).split(sizes, dim=2) for x in (query, key, value))
-            scale = self._softmax_scale(query.shape[-1])
-            outs = []
-            for j, (s_, e) in enumerate(zip(cu, cu[1:])):
-                p = -1 if prefix_of is None else prefix_of[j]
-                if p < 0:
-                    outs.append(sdpa(qs[j], ks[j], vs[j], None, causal=e - s_ > 1, scale=scale))
-                    continue
-                ps_, pe = cu[p], cu[p + 1]  # the prefix: every query sees all of it, then its own past
-                keys = torch.cat([ks[p], ks[j]], dim=2)
-                values = torch.cat([vs[p], vs[j]], dim=2)
-                mask = torch.ones(e - s_, e - s_, dtype=torch.bool, device=query.device).triu_(1)
-                mask = torch.cat([mask.new_zeros(e - s_, pe - ps_), mask], dim=1)  # True = masked
-                outs.append(sdpa(qs[j], keys, values, mask, causal=False, scale=scale))
-            out = torch.cat(outs, dim=2)  # [1, n, T, d]
-            T, b, n, d = query.shape
-            return out.permute(2, 0, 1, 3).reshape(T, b, n * d)
-
         def _cached_attention(self, query, key, value, mask, freqs, ctx):
             """Static-batching KV cache of rotated keys, layout [B, g, S, d] per layer.
 
@@ -263,6 +179,8 @@ def self_attention_class():
             engine's left padding stays exact because RoPE is relative.
             """
             sq, b, n, d = query.shape
+            if sq == 1 and isinstance(ctx, slot_context_class()) and ctx.slots is not None:
+                return self._slot_attention(query, key, value, mask, freqs, ctx)
             start, b0 = ctx.sequence_len_offset, ctx.batch_size_offset
             end = start + sq
             if freqs is not None:
@@ -270,9 +188,11 @@ def self_attention_class():
                 key = apply_rope(key, freqs[start:end])
             if self.layer_number not in ctx.key_value_memory_dict:
                 shape = (ctx.max_batch_size, key.shape[2], ctx.max_sequence_length, d)
+                # zeros, not garbage: the graph-safe decode step reads unwritten slots under a mask,
+                # where a NaN would still poison the row (0 weight x NaN)
                 ctx.key_value_memory_dict[self.layer_number] = (
-                    torch.empty(shape, dtype=key.dtype, device=key.device),
-                    torch.empty(shape, dtype=value.dtype, device=value.device))
+                    torch.zeros(shape, dtype=key.dtype, device=key.device),
+                    torch.zeros(shape, dtype=value.dtype, device=value.device))
             k_cache, v_cache = ctx.key_value_memory_dict[self.layer_number]
             k_cache[b0: b0 + b, :, start:end] = key.permute(1, 2, 0, 3)
             v_cache[b0: b0 + b, :, start:end] = value.permute(1, 2, 0, 3)
@@ -282,5 +202,23 @@ def self_attention_class():
             query, scale = query.permute(1, 2, 0, 3), self._softmax_scale(d)  # [b, n, sq, d]
             out = sdpa(query, keys, values, mask, causal=start == 0 and sq > 1, scale=scale)
             return out.permute(2, 0, 1, 3).reshape(sq, b, n * d)
+
+        def _slot_attention(self, query, key, value, mask, freqs, ctx):
+            """One new token per row at its own slot (ctx.slots [b]): RoPE at that position, its key
+            and value written there, attention over the whole cache under `mask` ([b, 1, 1, S],
+            True = masked). The same maths as _cached_attention's decode step, with fixed shapes
+            and no host value (a masked slot weighs exactly 0)."""
+            _, b, n, d = query.shape
+            slots = ctx.slots
+            if freqs is not None:  # [S, 1, 1, d] -> [1, b, 1, d]: each row's own angle
+                f = freqs.index_select(0, slots).transpose(0, 1)
+                query, key = apply_rope(query, f), apply_rope(key, f)
+            k_cache, v_cache = ctx.key_value_memory_dict[self.layer_number]  # the prefill's [B, g, S, d]
+            rows = torch.arange(b, device=slots.device)
+            k_cache[rows, :, slots] = key[0]  # [b, g, d] at (row, :, slot)
+            v_cache[rows, :, slots] = value[0]
+            out = sdpa(query.permute(1, 2, 0, 3), k_cache[:b], v_cache[:b], mask, causal=False,
+                       scale=self._softmax_scale(d))  # [b, n, 1, d]
+            return out.permute(2, 0, 1, 3).reshape(1, b, n * d)
 
     return MegarlSelfAttention

@@ -49,11 +49,6 @@ def transformer_config_fields(f: Optional[FP8Config]) -> dict:
     }
 
 
-def ddp_config_fields(f: Optional[FP8Config]) -> dict:
-    """DistributedDataParallelConfig keyword arguments: FP8 weights are all-gathered as FP8."""
-    return {"fp8_param_gather": True} if enabled(f) and f.param_gather else {}
-
-
 def te_recipe(f: FP8Config, recipe_module=None):
     """The Transformer Engine recipe object for train.fp8, as megatron-core 0.16 builds it.
 

@@ -165,23 +165,22 @@ def gpt_model_class():
 
     class MegarlGPTModel(GPTModel):
         output_from = 0  # set for the duration of one forward call
-        output_index = None  # likewise: [k] columns the head runs on (packed rows), instead of output_from
         return_hidden = False  # likewise
         fp8_rollout = "bf16"  # train.fp8.rollout: the GEMM precision of generation (KV-cache) steps
         megarl_head = "lm"  # "lm" or "scalar" (critic, reward model), set by build_model
         megarl_vocab_size = None  # the real vocabulary (the output layer's columns past it are padding)
 
-        def forward(self, *args, output_from: int = 0, return_hidden: bool = False, output_index=None, **kw):
+        def forward(self, *args, output_from: int = 0, return_hidden: bool = False, **kw):
             if return_hidden and self.megarl_head != "lm":
                 raise ValueError("return_hidden=True needs the LM head (the scalar head has no vocabulary)")
-            self.output_from, self.return_hidden, self.output_index = int(output_from), bool(return_hidden), output_index
+            self.output_from, self.return_hidden = int(output_from), bool(return_hidden)
             generating = kw.get("inference_context") is not None or kw.get("inference_params") is not None
             try:
                 tokens = args[0].numel() if args and torch.is_tensor(args[0]) else 0  # input ids [b, s]
                 with fp8_map.generation_precision(self.config, self.fp8_rollout, generating, tokens):
                     return super().forward(*args, **kw)
             finally:
-                self.output_from, self.return_hidden, self.output_index = 0, False, None
+                self.output_from, self.return_hidden = 0, False
 
         def _postprocess(self, hidden_states, *args, **kw):
             c = self.output_from
@@ -196,10 +195,6 @@ def gpt_model_class():
             cut_before = c and not self.config.sequence_parallel
             if cut_before:
                 hidden_states = hidden_states[c:]  # [s - c, b, h]
-            if self.output_index is not None:  # packed rows: the columns the caller reads
-                if self.config.sequence_parallel:
-                    raise ValueError("output_index (packed rows) with sequence parallelism is not supported")
-                hidden_states = hidden_states.index_select(0, self.output_index.to(hidden_states.device))
             weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
             if self.return_hidden:
                 return self._head_states(hidden_states, weight, 0 if cut_before else c)

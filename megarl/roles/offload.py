@@ -285,14 +285,6 @@ def wait_onload(role) -> None:
     _wait_pending(_state(role))
 
 
-def release_host_memory(role) -> None:
-    """Free the reusable host buffers kept from earlier offloads (not those holding data)."""
-    _state(role).pool.clear()
-
-
-# ---------------------------------------------------------------------------------------------
-# Guards: an offloaded role refuses to run instead of touching freed memory
-
 
 def _refuse(role, what: str, needs: tuple):
     off = [k for k in needs if k in offloaded_kinds(role)]

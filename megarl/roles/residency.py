@@ -7,12 +7,10 @@ phase; on CUDA it also records `torch.cuda.memory_allocated` and the allocator's
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 
 KINDS = ("params", "grads", "optimizer")
-log = logging.getLogger(__name__)
 
 
 class ResidencyLedger:
@@ -34,9 +32,6 @@ class ResidencyLedger:
             self.phase_peak_bytes[self.phase] = max(self.phase_peak_bytes.get(self.phase, 0), total)
         self.events.append((self.phase, role, event, total))
         del self.events[:-1000]  # a bounded trail
-
-    def forget(self, role: str) -> None:
-        self.roles.pop(role, None)
 
     def device_bytes(self, role: str | None = None, kind: str | None = None) -> int:
         return self._sum("device", role, kind)

@@ -38,9 +38,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megarl.models.attention import slot_context_class
 from megarl.models.layout import unwrap
+from megarl.rollout.decode import DecodeState, GraphedStep, bucket_for, bucket_sizes, decode_step
 from megarl.runtime import cpu_compat
-from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens
+from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens, uniform_table
 from megarl.rollout.tools import ERROR, TIMEOUT, Toolbox
 
 __all__ = ["SamplingParams", "Rollout", "RolloutEngine", "MegatronRolloutEngine"]
@@ -101,7 +103,8 @@ def _model_chunks(role) -> list:
 class MegatronRolloutEngine(RolloutEngine):
     def __init__(self, role, *, vocab_size: int, pad_id: int, decode: Callable[[list[int]], str] | None = None,
                  max_batch_size: int = 64, max_seq_len: int | None = None, pp_microbatches: int | None = None,
-                 compact: bool = True, tools: Toolbox | None = None, encode: Callable[[str], list[int]] | None = None):
+                 compact: bool = True, tools: Toolbox | None = None, encode: Callable[[str], list[int]] | None = None,
+                 static_decode: bool | None = None, sync_every: int = 8, cuda_graphs: bool = True):
         """role: a megarl Role (or its model, possibly DDP / Float16Module wrapped) with an LM head.
         vocab_size: the true vocabulary (padded columns are never sampled).
         max_batch_size: rows per KV cache (micro-batch); the cache is freed after each.
@@ -109,7 +112,12 @@ class MegatronRolloutEngine(RolloutEngine):
         pp_microbatches: at PP > 1, pipeline micro-batches per step (default: PP size).
         compact: drop finished rows from the KV cache once a quarter of its rows are done (the
             live rows' written positions move down in place, ~log(rows) / log(4/3) times a batch).
-        tools: a Toolbox (tools + max calls per sample); needs decode and encode (observation text -> ids)."""
+        tools: a Toolbox (tools + max calls per sample); needs decode and encode (observation text -> ids).
+        static_decode: decode steps through rollout/decode.py's graph-safe step (fixed shapes, no
+            host read; the finished flags read every `sync_every` steps, compaction into buckets of
+            rows then) where the call allows it: PP 1, no tools, no stop strings; elsewhere the
+            per-step path below. None: on a CUDA device. cuda_graphs: on a CUDA device, each
+            bucket's step is captured once per KV-cache batch and replayed."""
         self.chunks = _model_chunks(role)
         self.model = self.chunks[0]
         self.gpt = unwrap(self.model)
@@ -126,6 +134,10 @@ class MegatronRolloutEngine(RolloutEngine):
         self.compact = compact
         self.tools = tools if tools is not None and tools.tools else None
         self.encode = encode
+        self.static_decode = self.device.type == "cuda" if static_decode is None else bool(static_decode)
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        self.sync_every, self.cuda_graphs = int(sync_every), bool(cuda_graphs)
         if self.tools is not None and (decode is None or encode is None):
             raise ValueError("MegatronRolloutEngine(tools=...) needs decode and encode functions (the tokenizer's)")
 
@@ -187,8 +199,6 @@ class MegatronRolloutEngine(RolloutEngine):
 
     def _generate_batch(self, prompts, sample_ids, params, seed, stats):
         """Rows of one KV cache -> (responses, logprobs, stopped) per row, on every rank."""
-        from megatron.core.inference.contexts import StaticInferenceContext
-
         dev = self.device
         B, T = len(prompts), params.max_new_tokens
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
@@ -213,13 +223,15 @@ class MegatronRolloutEngine(RolloutEngine):
         done = torch.zeros(B, dtype=torch.bool)
         stopped = torch.zeros(B, dtype=torch.bool)
         rt = _RowTools(B, T) if self.tools is not None else None
+        static = (self.static_decode and rt is None and not params.stop_strings
+                  and self.config.pipeline_model_parallel_size == 1)
         scan_from = rt.scan_from if rt is not None else [0] * B  # response index after the last observation
 
         # One prefill per prompt: the n samples of a prompt are consecutive rows (the order is
         # sorted stably by length), so each run of equal rows is prefilled once and its KV entries
         # are copied to the run's rows before the first token is sampled.
         first, expand = _prompt_runs(prompts)  # [U] prefilled rows, [B] -> index of the row's run
-        ctx = StaticInferenceContext(len(first), S)
+        ctx = slot_context_class()(len(first), S)
         ctx.materialize_only_last_token_logits = True
         active = torch.arange(B)  # batch row of each cache row (shrinks as rows finish)
         try:
@@ -278,6 +290,13 @@ class MegatronRolloutEngine(RolloutEngine):
                     stats["compactions"] += 1
                 step_tokens = torch.where(done[active], self.pad_id, ids).to(dev)[:, None]  # [A, 1]
                 mask = key_pad[:, None, None, : offset + 1]  # [A, 1, 1, sk]: the new token sees all real keys
+                if static:  # steps 1.. on the device (rollout/decode.py)
+                    t0 = time.perf_counter()
+                    self._decode_static(ctx, active, step_tokens, key_pad, offset, (out_ids, out_lp, resp_len, done,
+                                                                                    stopped), sample_ids, params, seed,
+                                        stats)
+                    stats["decode_s"] += time.perf_counter() - t0
+                    break
         finally:
             ctx.key_value_memory_dict.clear()  # free the cache now, not at the next GC
         responses = [out_ids[b, : resp_len[b]].tolist() for b in range(B)]
@@ -286,6 +305,66 @@ class MegatronRolloutEngine(RolloutEngine):
             "observed": [torch.zeros(int(n), dtype=torch.bool) for n in resp_len], "calls": [0] * B,
             "errors": [0] * B, "timeouts": [0] * B, "hit_limit": [False] * B}
         return responses, logprobs, stopped.tolist(), extras
+
+    def _decode_static(self, ctx, active, tokens, key_pad, offset, outputs, sample_ids, params, seed, stats):
+        """Decode steps 1..T-1 of one KV-cache batch with rollout/decode.py's graph-safe step; the
+        results land in `outputs` (host out_ids, out_lp, resp_len, done, stopped, indexed by
+        batch row), as the per-step loop writes them. The host reads the finished flags every
+        sync_every steps; then the live rows move into the smallest bucket that holds them."""
+        dev, T = self.device, params.max_new_tokens
+        st = DecodeState(tokens=tokens.clone(), positions=torch.full((len(active), 1), offset, dtype=torch.long,
+                                                                     device=dev),
+                         key_pad=key_pad.clone(), mask=torch.empty(len(active), 1, 1, key_pad.shape[1], dtype=torch.bool,
+                                                                   device=dev),
+                         step=torch.ones(1, dtype=torch.long, device=dev),
+                         uniforms=uniform_table(seed, sample_ids[active], range(T)).to(dev),
+                         rows=active.clone(), **{k: v[active].to(dev) for k, v in zip(_STATE_OUT, outputs)})
+        st.refresh_mask()
+        stop_ids = torch.tensor(sorted(set(params.stop_ids)), dtype=torch.long, device=dev)
+        sizes = bucket_sizes(st.size)
+        graphs, pool = {}, None
+        use_graphs = self.cuda_graphs and dev.type == "cuda"
+        if use_graphs:
+            pool = torch.cuda.graph_pool_handle()
+
+        def run(state):
+            decode_step(self.model, ctx, state, params, vocab_size=self.vocab_size, pad_id=self.pad_id,
+                        stop_ids=stop_ids)
+
+        ctx.slots = st.positions[:, 0]
+        taken = 1  # response tokens every row has had a chance at (the prefill's)
+        try:
+            while taken < T:
+                graph = graphs.get(st.size)
+                if use_graphs and graph is None and T - taken >= 3:  # two warm-up steps, then replays
+                    graph = graphs[st.size] = GraphedStep(lambda state=st: run(state), pool)
+                    taken += graph.warm_steps
+                elif graph is not None:
+                    graph.replay()
+                    taken += 1
+                else:
+                    run(st)
+                    taken += 1
+                stats["forwards"] += 1
+                if taken % self.sync_every and taken < T:
+                    continue
+                stats["host_syncs"] = stats.get("host_syncs", 0) + 1
+                if bool(st.done.all()):  # the only host reads: at sync points
+                    break
+                live = int((~st.done).sum())
+                target = bucket_for(live, sizes) if self.compact else st.size
+                if target < st.size:  # live rows first, then finished ones to fill the bucket
+                    _write_back(st, outputs)
+                    keep = torch.argsort(st.done.to(torch.uint8).cpu(), stable=True)[:target].sort().values
+                    _take_cache_rows(ctx, keep.to(dev), offset + taken - 1)
+                    st = st.take(keep)
+                    ctx.slots = st.positions[:, 0]
+                    stats["compactions"] += 1
+        finally:
+            ctx.slots = None
+        _write_back(st, outputs)
+        stats["static_decode"] = True
+        stats["cuda_graphs"] = stats.get("cuda_graphs", 0) + len(graphs)
 
     # ------------------------------------------------------------------ tools
 
@@ -431,6 +510,14 @@ class MegatronRolloutEngine(RolloutEngine):
 
 
 _ROW_EXTRAS = ("observed", "calls", "errors", "timeouts", "hit_limit")
+_STATE_OUT = ("out_ids", "out_lp", "resp_len", "done", "stopped")  # DecodeState's outputs, as _write_back takes them
+
+
+def _write_back(st: DecodeState, outputs) -> None:
+    """A DecodeState's outputs into the host tensors (out_ids, out_lp, resp_len, done, stopped)
+    at its batch rows."""
+    for name, dst in zip(_STATE_OUT, outputs):
+        dst[st.rows] = getattr(st, name).cpu()
 _STATUSES = ("ok", ERROR, TIMEOUT)
 
 
@@ -501,7 +588,7 @@ def _take_cache_rows(ctx, rows, filled: int):
         taken = []
         for c in caches:  # key, value
             written = c[:, :, :filled].index_select(0, rows)  # [A', g, filled, d]: a copy, so in place is safe
-            dst = c[:n] if n <= c.shape[0] else c.new_empty((n,) + tuple(c.shape[1:]))
+            dst = c[:n] if n <= c.shape[0] else c.new_zeros((n,) + tuple(c.shape[1:]))  # finite, as allocated
             dst[:, :, :filled] = written
             taken.append(dst)
         ctx.key_value_memory_dict[layer] = tuple(taken)

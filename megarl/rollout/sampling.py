@@ -14,8 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megarl.ops import logprobs_and_entropy
-
 
 @dataclass
 class SamplingParams:
@@ -65,10 +63,17 @@ def row_uniforms(seed: int, sample_ids: torch.Tensor, step: int) -> torch.Tensor
     40 random bits: u <= 1 - 2^-40, so u * total stays strictly below total in float64 and the
     inverse-CDF search below always lands on a token of positive probability.
     """
+    return uniform_table(seed, sample_ids, [step])[:, 0]
+
+
+def uniform_table(seed: int, sample_ids: torch.Tensor, steps) -> torch.Tensor:
+    """row_uniforms for every step at once: [N] sample ids, [S] steps -> [N, S] float64 on the
+    host, so that a decode loop looks its uniforms up on the device instead of hashing per step."""
     ids = sample_ids.cpu().numpy().astype(np.uint64)
     h = _splitmix64(np.full(ids.shape, np.uint64(seed & 0xFFFFFFFFFFFFFFFF)))
     h = _splitmix64(h ^ ids)
-    h = _splitmix64(h ^ np.uint64(step & 0xFFFFFFFFFFFFFFFF))
+    steps = np.asarray([int(t) & 0xFFFFFFFFFFFFFFFF for t in steps], dtype=np.uint64)
+    h = _splitmix64(h[:, None] ^ steps[None, :])
     return torch.from_numpy((h >> np.uint64(24)).astype(np.float64) * 2.0 ** -40)
 
 
@@ -129,15 +134,3 @@ def _inverse_cdf(e: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor,
     target = uniforms.to(e.device) * total  # [N] < total: u <= 1 - 2^-40
     ids = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
     return ids.clamp_(max=e.shape[-1] - 1), total
-
-
-def draw(filtered: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
-    """Token ids [N] only (see sample_tokens)."""
-    return sample_tokens(filtered, params, uniforms, with_logprobs=False)[0]
-
-
-def sampled_logprobs(filtered: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(id) under softmax(filtered / temperature) by megarl.ops: [N, V], [N] -> [N] fp32.
-    The engine gets the same numbers from sample_tokens' single pass; this is its cross-check."""
-    lp, _ = logprobs_and_entropy(filtered, ids, temperature=temperature, with_entropy=False)
-    return lp

@@ -1,4 +1,4 @@
-"""Pieces every trainer shares: token log-probs from vocab-parallel logits, batch slicing."""
+"""Pieces every trainer shares: token log-probs from vocab-parallel logits, micro-batch planning."""
 from __future__ import annotations
 
 import torch
@@ -20,24 +20,6 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) 
     logprobs, _ = logprobs_and_entropy(logits, labels, tp_group=ps.get_tensor_model_parallel_group(),
                                        with_entropy=False)
     return logprobs
-
-
-def dp_microbatches(global_batch: dict, micro_batch_size: int) -> list[dict]:
-    """This DP rank's share of a global batch (rows in rank order), cut into microbatches.
-
-    Every tensor in `global_batch` has the global batch as dim 0; None values pass through.
-    """
-    from megatron.core import parallel_state as ps
-
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    n = next(v.shape[0] for v in global_batch.values() if isinstance(v, torch.Tensor))
-    per_rank = n // dp
-    lo = rank * per_rank
-    out = []
-    for start in range(lo, lo + per_rank, micro_batch_size):
-        out.append({k: (v[start:start + micro_batch_size] if isinstance(v, torch.Tensor) else v)
-                    for k, v in global_batch.items()})
-    return out
 
 
 class SupervisedStage(Stage):
@@ -79,19 +61,13 @@ class SupervisedStage(Stage):
         self.train_data.load_state_dict(state["data"])
 
 
-def plan_microbatches(lengths: list[int], *, max_rows: int, max_tokens: int | None = None,
-                      packed: bool = False, prompts: list[tuple] | None = None) -> list[list[int]]:
-    """Group rows (by index) into micro-batches, each later cut to its own longest row, or packed
-    into one sequence (packed: its cost is the sum of the lengths, not rows x longest).
+def plan_microbatches(lengths: list[int], *, max_rows: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Group rows (by index) into micro-batches, each later cut to its own longest row.
 
-    Rows are sorted longest first and packed greedily while the cost <= max_tokens (padded: verl's
+    Rows are sorted longest first and grouped greedily while rows x longest <= max_tokens (verl's
     use_dynamic_bsz) and rows <= max_rows. Without max_tokens: fixed micro-batches of max_rows
     rows in the given order. Which rows share a micro-batch changes no result: losses are sums
     over units divided by the global count (the Role contract).
-
-    prompts (packed rows whose samples share their prompt, Experience.packed_microbatch): per row,
-    (prompt id, prompt length). With max_tokens, the rows of a prompt then stay together (split
-    only where they exceed max_tokens or max_rows on their own) and cost the prompt once.
     """
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -101,42 +77,16 @@ def plan_microbatches(lengths: list[int], *, max_rows: int, max_tokens: int | No
     if max_tokens < max(lengths, default=0):
         raise ValueError(f"max_tokens_per_micro_batch ({max_tokens}) is below the longest sequence "
                          f"({max(lengths)} tokens)")
-    units = [([i], lengths[i]) for i in order]  # (rows, packed cost)
-    if packed and prompts is not None:
-        units = _prompt_units(lengths, prompts, max_rows, max_tokens)
-    units.sort(key=lambda u: -u[1])
-    groups, current, total = [], [], 0
-    for rows, tokens in units:
-        cost = total + tokens if packed else (len(current) + 1) * lengths[current[0] if current else rows[0]]
-        if current and (cost > max_tokens or len(current) + len(rows) > max_rows):
+    order.sort(key=lambda i: -lengths[i])
+    groups, current = [], []
+    for i in order:
+        if current and ((len(current) + 1) * lengths[current[0]] > max_tokens or len(current) == max_rows):
             groups.append(current)
-            current, total = [], 0
-        current.extend(rows)
-        total += tokens
+            current = []
+        current.append(i)
     if current:
         groups.append(current)
     return groups
-
-
-def _prompt_units(lengths: list[int], prompts: list[tuple], max_rows: int, max_tokens: int) -> list[tuple]:
-    """The rows of each prompt (in order of first appearance) as packing units of (rows, prompt +
-    their responses' tokens), each within max_rows and max_tokens."""
-    by_prompt: dict = {}
-    for i, (pid, _) in enumerate(prompts):
-        by_prompt.setdefault(pid, []).append(i)
-    units = []
-    for rows in by_prompt.values():
-        p = prompts[rows[0]][1]
-        unit, tokens = [], 0
-        for i in rows:
-            extra = lengths[i] - p if unit else lengths[i]
-            if unit and (tokens + extra > max_tokens or len(unit) == max_rows):
-                units.append((unit, tokens))
-                unit, tokens, extra = [], 0, lengths[i]
-            unit.append(i)
-            tokens += extra
-        units.append((unit, tokens))
-    return units
 
 
 def padding_waste(lengths: list[int], groups: list[list[int]]) -> float:

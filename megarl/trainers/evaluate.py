@@ -105,7 +105,8 @@ def rollout_engine(cfg: Config, actor, tok):
     tools = make_toolbox(r.tools, max_calls=r.max_tool_calls, timeout_s=r.tool_timeout_s,
                          max_output_chars=r.tool_max_output_chars, python=r.python_tool)
     return MegatronRolloutEngine(actor, vocab_size=cfg.model.vocab_size, pad_id=tok.pad_id, decode=tok.decode,
-                                 encode=tok.encode, tools=tools, max_batch_size=r.rollout_batch_size)
+                                 encode=tok.encode, tools=tools, max_batch_size=r.rollout_batch_size,
+                                 cuda_graphs=r.cuda_graphs, sync_every=r.decode_sync_every)
 
 
 def tool_metric_pairs(rollout) -> dict:

@@ -23,7 +23,6 @@ Python, in a notebook or a script (one process, or every rank under torchrun):
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sys
 
@@ -33,7 +32,6 @@ from megarl.config import Config, ConfigError
 from megarl.config.loader import apply_override, build, deep_merge, inherit_role_sections, read_yaml
 from megarl.config.shipped import resolve_config_path
 
-log = logging.getLogger("megarl")
 
 STAGES = ("sft", "rm", "rl")
 STAGE_DIRS = {"sft": "sft", "rm": "reward_model", "rl": "rl"}

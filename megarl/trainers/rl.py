@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -69,85 +69,6 @@ class Experience:
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
-    _prompt_ids: list | None = field(default=None, init=False, repr=False, compare=False)  # prompt_ids()' cache
-
-    def prompt_ids(self) -> list[int]:
-        """Per row, the index of the first row with the same prompt (length and tokens): rows
-        with equal ids are samples of one prompt. Computed once per Experience (rows() and cat()
-        make new ones)."""
-        if self._prompt_ids is None:
-            first: dict = {}
-            self._prompt_ids = [first.setdefault((int(p), self.tokens[i, :int(p)].numpy().tobytes()), i)
-                                for i, p in enumerate(self.prompt_lens)]
-        return self._prompt_ids
-
-    def packed_microbatch(self, rows: list[int], hidden: bool = False, share_prompts: bool = False) -> MicroBatch:
-        """Rows `rows` concatenated into one [1, T] sequence, no padding: positions restart and
-        attention stays within each row (models/attention.py), and the head runs on the rows'
-        response columns only (`output_index`, [T']). Per-token fields are [b, W], row k's
-        columns first_k.. at 0..; the model's [1, T'] outputs come back in that layout through
-        `unpack` (MicroBatch.per_row).
-
-        share_prompts: the rows of one prompt hold it once, as a segment that each of their
-        responses continues (`packed_rows_params`' prefix_of): the prompt's tokens go through
-        the layers once, not once per sample, and its last hidden state predicts every sample's
-        first token (output_index repeats it; its gradient is the sum over the samples)."""
-        from megarl.models.attention import packed_rows_params
-
-        lens = [self.lengths[i] for i in rows]
-        plens = [int(self.prompt_lens[i]) for i in rows]
-        firsts = [p - 1 for p in plens]  # column predicting the first response token
-        widths = [n - f for n, f in zip(lens, firsts)]
-        row_of = torch.cat([torch.full((w,), k) for k, w in enumerate(widths)])  # [T']
-        col_of = torch.cat([torch.arange(w) for w in widths])
-        ids = self.prompt_ids() if share_prompts else None
-        groups: dict = {}  # prompt id (row index when not sharing) -> positions k in rows, in order
-        for k, i in enumerate(rows):
-            groups.setdefault(i if ids is None else ids[i], []).append(k)
-        pieces, seg_lens, prefix_of, positions = [], [], [], []
-        index = [None] * len(rows)  # row k's head columns in the sequence
-        t = 0
-        for members in groups.values():
-            if len(members) == 1:  # the whole row as one segment
-                (k,) = members
-                i, n, f = rows[k], lens[k], firsts[k]
-                pieces.append(self.tokens[i, :n])
-                positions.append(torch.arange(n))
-                index[k] = torch.arange(t + f, t + n)
-                seg_lens.append(n)
-                prefix_of.append(-1)
-                t += n
-                continue
-            p, prompt_seg = plens[members[0]], len(seg_lens)
-            pieces.append(self.tokens[rows[members[0]], :p])
-            positions.append(torch.arange(p))
-            seg_lens.append(p)
-            prefix_of.append(-1)
-            prompt_last, t = t + p - 1, t + p
-            for k in members:
-                i, n = rows[k], lens[k]
-                index[k] = torch.cat([torch.tensor([prompt_last]), torch.arange(t, t + n - p)])
-                if n > p:  # a response continuing the prompt segment
-                    pieces.append(self.tokens[i, p:n])
-                    positions.append(torch.arange(p, n))
-                    seg_lens.append(n - p)
-                    prefix_of.append(prompt_seg)
-                    t += n - p
-
-        def rowwise(x):  # [N, L] -> [b, W], each row's columns first.. left-aligned
-            out = x.new_zeros(len(rows), max(widths))
-            for k, (i, f, w) in enumerate(zip(rows, firsts, widths)):
-                out[k, :w] = x[i, f:f + w]
-            return out
-
-        data = {"labels": rowwise(self.labels), "mask": rowwise(self.mask)}
-        for name in ("old_logp", "ref_logp", "values", "advantages", "returns"):
-            value = getattr(self, name)
-            if value is not None:
-                data[name] = rowwise(value)
-        return MicroBatch(torch.cat(pieces)[None], torch.cat(positions)[None], data,
-                          packed_seq_params=packed_rows_params(seg_lens, prefix_of), output_index=torch.cat(index),
-                          return_hidden=hidden, unpack=(row_of, col_of))
 
     def microbatch(self, rows: list[int], hidden: bool = False) -> MicroBatch:
         """Rows `rows`, cut to their longest sequence, as a Role micro-batch.
@@ -172,7 +93,7 @@ class Experience:
         idx = torch.tensor(rows, dtype=torch.long)
         return replace(self, lengths=[self.lengths[i] for i in rows],
                        **{f.name: getattr(self, f.name)[idx] for f in fields(self)
-                          if f.init and isinstance(getattr(self, f.name), torch.Tensor)})
+                          if isinstance(getattr(self, f.name), torch.Tensor)})
 
     @staticmethod
     def cat(parts: list["Experience"], pad_id: int) -> "Experience":
@@ -184,8 +105,6 @@ class Experience:
 
         out = {}
         for f in fields(Experience):
-            if not f.init:
-                continue
             values = [getattr(p, f.name) for p in parts]
             if f.name == "lengths":
                 out[f.name] = [x for v in values for x in v]
@@ -227,7 +146,7 @@ def _token_logprobs(vocab_size: int, temperature: float, with_entropy: bool = Fa
     from megarl.ops import IGNORE_INDEX, head_logprobs, logprobs_and_entropy
 
     def fn(batch, output):
-        labels, mask = batch.head_layout(batch["labels"]), batch.head_layout(batch["mask"])
+        labels, mask = batch["labels"], batch["mask"]
         # tokens no loss reads (padding, observations) get log-prob 0 and no gradient; the fused
         # head leaves them out of its GEMMs
         labels = labels.masked_fill(~mask, IGNORE_INDEX)
@@ -237,36 +156,17 @@ def _token_logprobs(vocab_size: int, temperature: float, with_entropy: bool = Fa
             logits = mask_padded_vocab(output, vocab_size)  # [b, s, V_pad/tp]
             logp, entropy = logprobs_and_entropy(logits, labels, tp_group=ps.get_tensor_model_parallel_group(),
                                                  temperature=temperature, with_entropy=with_entropy)
-        return batch.per_row(logp), (None if entropy is None else batch.per_row(entropy))
+        return logp, entropy
 
     return fn
 
 
-def packed_tokens(exp: Experience, rows: list[int], share_prompts: bool) -> int:
-    """Tokens in the packed sequence of `rows` (Experience.packed_microbatch)."""
-    if not share_prompts:
-        return sum(exp.lengths[i] for i in rows)
-    ids, seen, total = exp.prompt_ids(), set(), 0
-    for i in rows:
-        total += exp.lengths[i] - (int(exp.prompt_lens[i]) if ids[i] in seen else 0)
-        seen.add(ids[i])
-    return total
-
-
-def collect_per_token(role: Role, exp: Experience, groups: list[list[int]], fn, hidden: bool = False,
-                      packed: bool = False, share_prompts: bool = False) -> torch.Tensor:
+def collect_per_token(role: Role, exp: Experience, groups: list[list[int]], fn, hidden: bool = False) -> torch.Tensor:
     """A [N, L] fp32 tensor from `fn(batch, output) -> [b, s]` over every micro-batch (forward only)."""
-    mbs = [exp.packed_microbatch(g, hidden, share_prompts) if packed else exp.microbatch(g, hidden) for g in groups]
+    mbs = [exp.microbatch(g, hidden) for g in groups]
     out = torch.zeros(exp.tokens.shape, dtype=torch.float32)
     for g, mb, part in zip(groups, mbs, role.forward_collect(mbs, lambda b, o: fn(b, o).float().cpu())):
-        if packed:  # row k's columns first.. (its prompt's last one on) sit at part[pos, :width]
-            for pos, k in enumerate(g):
-                first = int(exp.prompt_lens[k]) - 1
-                width = exp.lengths[k] - first
-                out[k, first:first + width] = part[pos, :width]
-        else:
-            c = mb.output_from
-            out[torch.tensor(g), c: c + part.shape[1]] = part
+        out[torch.tensor(g), mb.output_from: mb.output_from + part.shape[1]] = part
     return out
 
 
@@ -420,8 +320,7 @@ class RLStage(Stage):
         if "reward" in self.all_roles:
             with clock.phase("score_reward"):
                 values = collect_per_token(self.all_roles["reward"], exp, self._plan(exp),
-                                           lambda b, o: b.per_row(o.squeeze(-1)), packed=r.packing,
-                                           share_prompts=r.share_prompts)
+                                           lambda b, o: o.squeeze(-1))
             rm = A.sequence_reward(values, exp.prompt_lens, torch.tensor(exp.lengths) - 1,
                                    self.all_roles["reward"].reward_pooling or "last")
             scores += r.reward_model_coef * rm
@@ -474,34 +373,27 @@ class RLStage(Stage):
         r = self.cfg.rl
         groups = self._plan(exp)
         logprobs = _token_logprobs(self.cfg.model.vocab_size, r.temperature)
-        fused, packed, share = r.fused_head, r.packing, r.share_prompts
+        fused = r.fused_head
         if r.old_logprobs == "rollout":  # the sampled distribution's own log-probs
             exp.old_logp = exp.rollout_logp
         else:
             with clock.phase("score_actor"):
-                exp.old_logp = collect_per_token(self.actor, exp, groups, lambda b, o: logprobs(b, o)[0], fused,
-                                                 packed, share)
+                exp.old_logp = collect_per_token(self.actor, exp, groups, lambda b, o: logprobs(b, o)[0], fused)
         if "reference" in self.all_roles:
             with clock.phase("score_reference"):
                 exp.ref_logp = collect_per_token(self.all_roles["reference"], exp, groups,
-                                                 lambda b, o: logprobs(b, o)[0], fused, packed, share)
+                                                 lambda b, o: logprobs(b, o)[0], fused)
         if "critic" in self.all_roles:
             with clock.phase("score_critic"):
-                exp.values = collect_per_token(self.all_roles["critic"], exp, groups,
-                                               lambda b, o: b.per_row(o.squeeze(-1)), packed=packed,
-                                               share_prompts=share)
+                exp.values = collect_per_token(self.all_roles["critic"], exp, groups, lambda b, o: o.squeeze(-1))
         return groups
 
     def _plan(self, exp: Experience, rows: list[int] | None = None) -> list[list[int]]:
         """Micro-batches of exp's rows `rows` (default all), as lists of row indices."""
         r = self.cfg.rl
         rows = list(range(len(exp.lengths))) if rows is None else rows
-        prompts = None
-        if r.packing and r.share_prompts:
-            ids = exp.prompt_ids()
-            prompts = [(ids[i], int(exp.prompt_lens[i])) for i in rows]
         plan = plan_microbatches([exp.lengths[i] for i in rows], max_rows=r.micro_batch_size,
-                                 max_tokens=r.max_tokens_per_micro_batch, packed=r.packing, prompts=prompts)
+                                 max_tokens=r.max_tokens_per_micro_batch)
         return [[rows[j] for j in g] for g in plan]
 
     # 3. advantages ----------------------------------------------------------------------------
@@ -532,11 +424,8 @@ class RLStage(Stage):
                 exp.mask = mask & exp.stopped[:, None]
                 exp.advantages = exp.advantages * exp.mask
             bad = not (bool(torch.isfinite(exp.scores).all()) and bool(torch.isfinite(exp.advantages).all()))
-        waste = 0.0 if r.packing else padding_waste(exp.lengths, groups)  # packed rows carry no padding
+        waste = padding_waste(exp.lengths, groups)
         metrics.update(dp_means({"train/padding_waste": (waste * len(groups), len(groups))}))
-        # the share of the rows' tokens that shared prompts leave out of the layers (in scoring)
-        saved = sum(exp.lengths) - sum(packed_tokens(exp, g, r.packing and r.share_prompts) for g in groups)
-        metrics.update(dp_means({"train/shared_prompt_fraction": (float(saved), float(sum(exp.lengths)))}))
         metrics["finite"] = dp_max(float(bad)) == 0
         return metrics
 
@@ -578,12 +467,11 @@ class RLStage(Stage):
         def fused_loss(batch, head):
             """The same loss, its gradient taken inside the output layer (ops.head_token_loss):
             each token's loss depends on its own log-prob and entropy, weighted by the aggregation."""
-            take = batch.head_layout
-            mask = take(batch["mask"])
-            labels = take(batch["labels"]).masked_fill(~mask, IGNORE_INDEX)
+            mask = batch["mask"]
+            labels = batch["labels"].masked_fill(~mask, IGNORE_INDEX)
             names = ("old_logp", "advantages") + (("ref_logp",) if kl_loss else ())
-            flat = {k: take(batch[k]).reshape(-1).float() for k in names}  # [b s'] per-token constants
-            flat["weight"] = take(A.token_weights(batch["mask"], r.loss_agg, r.max_new_tokens)).reshape(-1)
+            flat = {k: batch[k].reshape(-1).float() for k in names}  # [b s'] per-token constants
+            flat["weight"] = A.token_weights(mask, r.loss_agg, r.max_new_tokens).reshape(-1)
 
             def token_loss(pos, lp, ent):  # pos [c]: the chunk's tokens; lp, ent [c]
                 per_token, _ = A.ppo_token_loss(
@@ -595,8 +483,7 @@ class RLStage(Stage):
                                                       with_entropy=r.entropy_coef > 0)
             with torch.no_grad():  # the metrics, from the same log-probs
                 _, count, metrics = A.ppo_policy_loss(
-                    batch.per_row(logp), batch["old_logp"], batch["advantages"], batch["mask"], agg=r.loss_agg,
-                    entropy=None if entropy is None else batch.per_row(entropy),
+                    logp, batch["old_logp"], batch["advantages"], batch["mask"], agg=r.loss_agg, entropy=entropy,
                     ref_logp=batch.get("ref_logp") if kl_loss else None, max_len=r.max_new_tokens, **clip)
             metrics["loss"] = torch.stack([loss_sum.detach().double(), count.double()])
             return loss_sum, count, metrics
@@ -605,7 +492,7 @@ class RLStage(Stage):
 
     def _value_loss(self):
         r = self.cfg.rl
-        return lambda batch, values: A.value_loss(batch.per_row(values.squeeze(-1)), batch["values"],
+        return lambda batch, values: A.value_loss(values.squeeze(-1), batch["values"],
                                                   batch["returns"], batch["mask"], clip=r.value_clip)
 
     def _train(self, role: Role, exp: Experience, loss_fn, step: int, prefix: str, hidden: bool = False) -> dict:
@@ -620,8 +507,7 @@ class RLStage(Stage):
             assignment = minibatch_rows(n, self.dp_rank * n, r.mini_batches, (self.cfg.train.seed, step, epoch))
             for k, rows in enumerate(assignment):
                 plan = self._plan(exp, rows)
-                mbs = [exp.packed_microbatch(grp, hidden, r.share_prompts) if r.packing else exp.microbatch(grp, hidden)
-                       for grp in plan]
+                mbs = [exp.microbatch(grp, hidden) for grp in plan]
                 result = role.train_step(mbs, loss_fn, skip_nonfinite=True)
                 skipped += int(result.skipped)
                 for key, v in {**result.metrics, "grad_norm": result.grad_norm, "lr": result.lr}.items():

@@ -1,0 +1,212 @@
+"""The graph-safe decode step (megarl/rollout/decode.py) and the engine's static path.
+
+Contract, checked on CPU where no CUDA graph exists:
+- the steady-state step runs under tests/host_sync_guard.py (no .item(), .tolist(), .cpu(),
+  bool(tensor), nonzero, boolean indexing ...) and keeps the storage of every input, output and
+  KV-cache tensor from one step to the next (what a captured graph replays against);
+- the engine's static path gives the per-step path's tokens: greedy and sampled (same seed),
+  with log-probs within fp32 rounding, at TP1 here and TP2 in two processes; whatever
+  sync_every, bucket compaction on or off.
+The graphs themselves (capture, replay, graphs on vs off) are `gpu`-marked below.
+"""
+import pytest
+import torch
+
+from dist_helpers import run_distributed
+
+VOCAB, PAD = 100, 0
+LENS = (1, 5, 9, 2, 13, 7, 4, 11, 3)
+
+
+def _model_cfg():
+    from megarl.config import ModelConfig
+
+    return ModelConfig(num_layers=3, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_kv_heads=2,
+                       vocab_size=VOCAB, max_position_embeddings=48, init_std=0.1)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in LENS]
+
+
+def _stop_ids(role):
+    """Two ids the greedy rollout emits at different steps, so rows stop at different times."""
+    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+
+    eng = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, static_decode=False)
+    r = eng.generate(_prompts(), SamplingParams(greedy=True, max_new_tokens=12), seed=0)
+    resp = r.responses()
+    return (resp[0][3], resp[4][7])
+
+
+def _compare_body(rank, world_size, tp):
+    from megarl.config import ParallelConfig
+    from megarl.roles.role import Role
+    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    init_distributed(tp, 1, seed=11)
+    role = Role("actor", _model_cfg(), ParallelConfig(tp=tp), head="lm", seed=5)
+    prompts, stop_ids = _prompts(), _stop_ids(role)
+    cases = [SamplingParams(greedy=True, max_new_tokens=14, stop_ids=stop_ids),
+             SamplingParams(n=3, temperature=1.0, max_new_tokens=12, stop_ids=stop_ids),
+             SamplingParams(n=2, temperature=0.8, top_k=12, top_p=0.9, max_new_tokens=10, stop_ids=stop_ids),
+             SamplingParams(n=4, temperature=1.0, max_new_tokens=12, stop_ids=tuple(range(1, 16)))]  # rows end early
+    out = []
+    for params in cases:
+        eager = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=16, static_decode=False)
+        ref = eager.generate(prompts, params, seed=7)
+        for sync_every, compact in ((1, True), (3, True), (8, False)):
+            eng = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=16, static_decode=True,
+                                        sync_every=sync_every, compact=compact)
+            got = eng.generate(prompts, params, seed=7)
+            out.append(dict(params=params, sync_every=sync_every, ref=ref, got=got))
+    teardown()
+    return out
+
+
+def _check(results):
+    compacted = 0
+    for case in results:
+        ref, got = case["ref"], case["got"]
+        assert got.stats.get("static_decode"), "the static path did not run"
+        compacted += got.stats["compactions"]
+        assert ref.responses() == got.responses(), (case["params"], case["sync_every"])
+        assert torch.equal(ref.stopped, got.stopped) and torch.equal(ref.response_mask, got.response_mask)
+        torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=0, atol=2e-5)
+        assert got.stats["host_syncs"] < got.stats["forwards"] or case["sync_every"] == 1
+    assert compacted > 0, "no case moved its rows into a smaller bucket"
+
+
+def test_static_path_gives_the_per_step_paths_tokens():
+    _check(run_distributed(_compare_body, 1, 1)[0])
+
+
+@pytest.mark.slow
+def test_static_path_gives_the_per_step_paths_tokens_at_tp2():
+    results = run_distributed(_compare_body, 2, 2)
+    for r in results:
+        _check(r)
+    assert [c["got"].responses() for c in results[0]] == [c["got"].responses() for c in results[1]]
+
+
+def _contract_body(rank, world_size):
+    from host_sync_guard import HostSyncGuard
+
+    from megarl.config import ParallelConfig
+    from megarl.roles.role import Role
+    from megarl.rollout import engine as engine_mod
+    from megarl.rollout.decode import decode_step
+    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    init_distributed(1, 1, seed=11)
+    role = Role("actor", _model_cfg(), ParallelConfig(), head="lm", seed=5)
+    seen = {"steps": 0, "storages": None, "reads": []}
+    real = engine_mod.decode_step
+
+    def guarded(model, ctx, st, params, **kw):
+        tensors = [getattr(st, f) for f in ("tokens", "positions", "mask", "step", "uniforms", "out_ids", "out_lp",
+                                            "resp_len", "done", "stopped")]
+        tensors += [c for kv in ctx.key_value_memory_dict.values() for c in kv]
+        storages = [t.untyped_storage().data_ptr() for t in tensors]
+        if seen["storages"] is not None and len(storages) == len(seen["storages"]) and \
+                st.size == seen["size"]:  # the same bucket: the same memory
+            assert storages == seen["storages"], "a decode step's tensors moved between steps"
+        seen["storages"], seen["size"] = storages, st.size
+        guard = HostSyncGuard(strict=False)
+        with guard:
+            real(model, ctx, st, params, **kw)
+        seen["reads"] += guard.reads
+        seen["steps"] += 1
+
+    engine_mod.decode_step = guarded
+    try:
+        eng = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=16, static_decode=True,
+                                    sync_every=4)
+        for params in (SamplingParams(greedy=True, max_new_tokens=10),
+                       SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.95, max_new_tokens=10,
+                                      stop_ids=_stop_ids(role))):
+            eng.generate(_prompts(), params, seed=3)
+    finally:
+        engine_mod.decode_step = real
+    assert decode_step is real
+    teardown()
+    return seen
+
+
+def test_decode_step_reads_nothing_on_the_host_and_keeps_its_storage():
+    seen = run_distributed(_contract_body, 1)[0]
+    assert seen["steps"] > 10
+    assert seen["reads"] == [], f"host reads inside the decode step: {sorted(set(seen['reads']))}"
+
+
+def test_guard_catches_each_kind_of_host_read():
+    from host_sync_guard import HostSyncError, HostSyncGuard
+
+    t = torch.arange(4.0)
+    for read in (lambda: t[0].item(), lambda: bool(t[0]), lambda: t.tolist(), lambda: t.cpu(),
+                 lambda: torch.nonzero(t), lambda: t[t > 1], lambda: t.to("cpu"), lambda: int(t[1])):
+        with pytest.raises(HostSyncError):
+            with HostSyncGuard():
+                read()
+    with HostSyncGuard():  # device-side work passes
+        torch.where(t > 1, t, 0).argmax()
+        t.index_select(0, torch.tensor([1, 2])).scatter_(0, torch.tensor([0]), torch.tensor([5.0]))
+
+
+def test_buckets():
+    from megarl.rollout.decode import bucket_for, bucket_sizes
+
+    assert bucket_sizes(64) == [64, 32, 16, 8] and bucket_sizes(100) == [100, 64, 32, 16, 8]
+    assert bucket_sizes(12) == [12, 8] and bucket_sizes(8) == [8] and bucket_sizes(1) == [1]
+    assert [bucket_for(n, bucket_sizes(64)) for n in (1, 8, 9, 33, 64)] == [8, 8, 16, 64, 64]
+
+
+def test_uniform_table_is_row_uniforms_per_step():
+    from megarl.rollout.sampling import row_uniforms, uniform_table
+
+    ids = torch.tensor([0, 5, 17, 2**40])
+    table = uniform_table(123, ids, range(6))
+    for t in range(6):
+        assert torch.equal(table[:, t], row_uniforms(123, ids, t))
+
+
+# ------------------------------------------------------------------ on a GPU
+
+
+def _gpu_roles():
+    from megarl.config import ModelConfig, ParallelConfig
+    from megarl.roles.role import Role
+
+    mc = ModelConfig(num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_kv_heads=4,
+                     vocab_size=1000, max_position_embeddings=256, init_std=0.1)
+    return Role("actor", mc, ParallelConfig(), head="lm", precision="bf16", seed=5)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_on_and_off_give_the_same_tokens(monkeypatch):
+    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    init_distributed(1, 1, seed=1)
+    try:
+        role = _gpu_roles()
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(1, 1000, (int(n),), generator=g).tolist() for n in torch.randint(3, 60, (24,))]
+        for params in (SamplingParams(greedy=True, max_new_tokens=64, stop_ids=(7,)),
+                       SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=64, stop_ids=(7,))):
+            runs = {}
+            for mode, kw in {"eager": dict(static_decode=False), "static": dict(static_decode=True, cuda_graphs=False),
+                             "graphs": dict(static_decode=True, cuda_graphs=True)}.items():
+                eng = MegatronRolloutEngine(role, vocab_size=1000, pad_id=0, max_batch_size=64, **kw)
+                runs[mode] = eng.generate(prompts, params, seed=11)
+            assert runs["graphs"].stats["cuda_graphs"] >= 1
+            assert runs["graphs"].responses() == runs["static"].responses()
+            if params.greedy:
+                assert runs["static"].responses() == runs["eager"].responses()
+    finally:
+        teardown()
