@@ -94,6 +94,21 @@ def test_rl_rules_name_each_bad_key():
     assert check_config(cfg, world_size=4, cuda=False) == [] or "rl." not in "\n".join(check_config(cfg, 4, False))
 
 
+def test_eval_temperature_zero_is_greedy_evaluation():
+    from megarl.config import check_config
+    from megarl.trainers.evaluate import eval_sampling
+
+    cfg = load_config("configs/tiny_grpo.yaml", ["rl.eval_temperature=0"])
+    assert check_config(cfg, world_size=1, cuda=False, stage="rl") == []
+    params = eval_sampling(cfg.rl, stop_ids=[2])
+    assert params.greedy and params.temperature == 1.0 and params.n == cfg.rl.eval_samples and params.stop_ids == (2,)
+    assert not eval_sampling(load_config("configs/tiny_grpo.yaml").rl, [2]).greedy
+    bad = check_config(load_config("configs/tiny_grpo.yaml", ["rl.eval_temperature=-1", "rl.temperature=0"]),
+                       world_size=1, cuda=False, stage="rl")
+    assert "rl.eval_temperature must be >= 0 (0: greedy evaluation), got -1.0" in bad
+    assert "rl.temperature must be > 0, got 0.0" in bad
+
+
 def test_reference_starts_where_the_actor_starts():
     cfg = load_config(None, ["roles.actor.init_from=/models/llama"])
     assert role_config(cfg, "reference").init_from == "/models/llama"

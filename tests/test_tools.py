@@ -74,6 +74,8 @@ def test_find_call_protocol():
     assert box.find_call("3+4=7, <<1+<<2*3=").argument == "2*3"  # the innermost open before the close
     assert box.find_call("<up>hi</up> then <<1=").tool.name == "up"  # the first call closed wins
     assert box.find_call("=<<") is None
+    assert box.find_call("5<<=").argument == ""  # an empty call: its argument is empty, not the open marker
+    assert box.find_call("<up></up>").argument == "" and box.find_call("a<<<<b=").argument == "b"
     with pytest.raises(ValueError, match="overlap"):
         Toolbox([Calculator(), FunctionTool(str.upper, name="<x")])
 

@@ -311,7 +311,7 @@ class RLConfig:
     eval_prompts: int = 64
     eval_samples: int = 4  # k of pass@k (samples per held-out prompt)
     eval_reward_fn: str = "final_answer"  # a sample passes when this reward is > 0
-    eval_temperature: float = 1.0
+    eval_temperature: float = 1.0  # 0: greedy (every sample of a prompt the argmax; pass@k = pass@1)
     # tools the policy may call inside a response, in rollouts and in evaluation (`megarl eval`)
     # (megarl/rollout/tools.py): built-in names (calculator; python) or module:function
     tools: list[str] = field(default_factory=list)

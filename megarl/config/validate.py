@@ -100,8 +100,10 @@ def _rl_rules(cfg: Config, world_size: int, cuda: bool) -> list[str]:
     if r.max_tokens_per_micro_batch is not None and r.max_tokens_per_micro_batch < longest:
         errs.append(f"rl.max_tokens_per_micro_batch ({r.max_tokens_per_micro_batch}) must hold the longest sequence "
                     f"(max_prompt_len + max_new_tokens = {longest})")
-    if not r.temperature > 0 or not r.eval_temperature > 0:
-        errs.append("rl.temperature and rl.eval_temperature must be > 0")
+    if not r.temperature > 0:
+        errs.append(f"rl.temperature must be > 0, got {r.temperature}")
+    if not r.eval_temperature >= 0:
+        errs.append(f"rl.eval_temperature must be >= 0 (0: greedy evaluation), got {r.eval_temperature}")
     if not 0 < r.top_p <= 1 or r.top_k < 0:
         errs.append(f"rl.top_p must be in (0, 1] and rl.top_k >= 0 (got {r.top_p}, {r.top_k})")
     if r.old_logprobs == "rollout" and (r.top_k or r.top_p < 1):

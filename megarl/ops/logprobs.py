@@ -150,17 +150,11 @@ def _target_cols(t, vocab_start, n):
 
 
 def _scaled_into(out, xc, inv_temp, shift):
-    """out[:] = xc * inv_temp - shift[:, None] in fp32 ([c, n]), one pass over xc for fp32."""
-    if xc.dtype == torch.float32 and inv_temp == 1.0:
-        torch.sub(xc, shift[:, None], out=out)
-    elif xc.dtype == torch.float32:
-        torch.mul(xc, inv_temp, out=out).sub_(shift[:, None])
-    else:
-        out.copy_(xc)
-        if inv_temp != 1.0:
-            out.mul_(inv_temp)
-        out.sub_(shift[:, None])
-    return out
+    """out[:] = xc * inv_temp - shift[:, None] in fp32 ([c, n]; out may be xc itself)."""
+    out.copy_(xc)
+    if inv_temp != 1.0:
+        out.mul_(inv_temp)
+    return out.sub_(shift[:, None])
 
 
 def _chunking(x):
@@ -187,15 +181,8 @@ def _local_stats(x, t, vocab_start, inv_temp, with_moment=True):
     for r0 in range(0, N, step):
         r1 = min(N, r0 + step)
         xc, z, e, mc = x[r0:r1], zbuf[: r1 - r0], ebuf[: r1 - r0], m[r0:r1]
-        if xc.dtype == torch.float32:
-            torch.amax(xc, -1, out=mc)
-            _scaled_into(z, xc, inv_temp, mc.mul_(inv_temp))   # z - max z <= 0
-        else:  # upcast first: half-precision amax is slow on CPU
-            z.copy_(xc)
-            torch.amax(z, -1, out=mc)
-            if inv_temp != 1.0:
-                z.mul_(inv_temp)
-            z.sub_(mc.mul_(inv_temp)[:, None])
+        torch.amax(z.copy_(xc), -1, out=mc)
+        _scaled_into(z, z, inv_temp, mc.mul_(inv_temp))  # z - max z <= 0
         zt[r0:r1] = z.gather(1, cols[r0:r1, None]).squeeze(1)
         torch.exp(z, out=e)
         torch.sum(e, -1, out=s[r0:r1])

@@ -3,7 +3,9 @@
 The model that trains is the model that samples: no weight copy, no second engine. One prefill
 over left-padded prompts (explicit [b, 1, sq, sk] mask), then one token per step with
 megatron-core's `StaticInferenceContext` holding the KV cache, which megarl's attention module
-fills with keys after RoPE, in a [B, g, S, d] layout (models/attention.py). megatron-core's own
+fills with keys after RoPE, in a [B, g, S, d] layout (models/attention.py). On a GPU the decode
+steps after the prefill run rollout/decode.py's graph-safe step (no host read per token, CUDA
+graphs per bucket of rows; `static_decode`). megatron-core's own
 engines do not fit RL on CPU (megatron-core 0.16): the dynamic one needs CUDA kernels, the legacy static
 one samples padded-vocabulary ids, ignores the temperature in its log-probs and seeds every
 rank alike.

@@ -420,7 +420,7 @@ class Toolbox:
             close = text.find(tool.call_close, start + len(tool.call_open))
             if close < 0 or (best is not None and close >= best[0]):
                 continue
-            open_at = text.rfind(tool.call_open, 0, close - len(tool.call_open) + 1)
+            open_at = text.rfind(tool.call_open, start, close)  # the last open wholly before the close
             best = (close, ToolCall(tool, text[open_at + len(tool.call_open): close], close + len(tool.call_close)))
         return best[1] if best else None
 

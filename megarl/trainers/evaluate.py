@@ -18,6 +18,7 @@ import logging
 import os
 
 from megarl.config import Config, ConfigError
+from megarl.rollout.sampling import SamplingParams
 from megarl.runtime.distributed import is_rank0
 
 log = logging.getLogger("megarl")
@@ -29,6 +30,14 @@ SAMPLE_ROWS = 8  # prompts shown in the sample table
 def metric_names(k: int) -> tuple[str, str, str]:
     """The metric names of pass@1, pass@k and mean@k for k samples per prompt (MLflow-valid)."""
     return "pass_at_1", f"pass_at_{k}", f"mean_at_{k}"
+
+
+def eval_sampling(r, stop_ids) -> SamplingParams:
+    """The sampling of held-out evaluation (`megarl eval` and RL's): rl.eval_samples per prompt at
+    rl.eval_temperature, greedy at 0."""
+    greedy = r.eval_temperature == 0
+    return SamplingParams(n=r.eval_samples, temperature=1.0 if greedy else r.eval_temperature, greedy=greedy,
+                          top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop_ids=tuple(stop_ids))
 
 
 def sample_and_grade(engine, items: list, tok, params, seed: int, sample_offset: int, reward_fn):
@@ -161,7 +170,6 @@ def run_eval(cfg: Config, checkpoint: str | None = None, hf: str | None = None) 
     its metrics at the evaluated checkpoint's step."""
     from megarl.rewards import load_reward_fn
     from megarl.roles.role import Role
-    from megarl.rollout.engine import SamplingParams
     from megarl.trainers import data_setup
     from megarl.trainers.common import mix_seed
     from megarl.trainers.weights import load_role_weights
@@ -179,8 +187,7 @@ def run_eval(cfg: Config, checkpoint: str | None = None, hf: str | None = None) 
         role = Role("actor", cfg.model, cfg.parallel, head="lm", precision=cfg.train.precision, seed=cfg.train.seed)
         src = load_role_weights(cfg, role, source, "--hf" if hf else "--checkpoint")
         engine = rollout_engine(cfg, role, tok)
-        params = SamplingParams(n=r.eval_samples, temperature=r.eval_temperature, top_k=r.top_k, top_p=r.top_p,
-                                max_new_tokens=r.max_new_tokens, stop_ids=tuple(tok.stop_ids))
+        params = eval_sampling(r, tok.stop_ids)
         metrics, rows = pass_at_k_eval(engine, ds, tok, n_prompts=r.eval_prompts, k=r.eval_samples, params=params,
                                        seed=mix_seed(cfg.train.seed, 99991), reward_fn=load_reward_fn(r.eval_reward_fn))
         metrics = {f"eval/{k}": v for k, v in metrics.items()}

@@ -36,7 +36,7 @@ from megarl.rollout.engine import SamplingParams
 from megarl.runtime.distributed import dp_gather_objects, dp_group, dp_max, dp_means
 from megarl.trainers import data_setup
 from megarl.trainers.common import mix_seed, padding_waste, plan_microbatches
-from megarl.trainers.evaluate import pass_at_k_eval, rollout_engine, tool_metric_pairs
+from megarl.trainers.evaluate import eval_sampling, pass_at_k_eval, rollout_engine, tool_metric_pairs
 from megarl.trainers.loop import Stage, train_stage
 from megarl.trainers.stops import StageStopped
 from megarl.trainers.weights import build_roles
@@ -552,7 +552,7 @@ class RLStage(Stage):
         r = self.cfg.rl
         self.phases.enter("generate")
         return pass_at_k_eval(self.engine, self.eval_ds, self.tok, n_prompts=r.eval_prompts, k=r.eval_samples,
-                              params=self._sampling(r.eval_temperature, r.eval_samples),
+                              params=eval_sampling(r, self.tok.stop_ids),
                               seed=mix_seed(self.cfg.train.seed, 99991), reward_fn=self.eval_reward_fn)
 
     @property
