@@ -43,9 +43,9 @@ import torch.distributed as dist
 from megarl.models.attention import slot_context_class
 from megarl.models.layout import unwrap
 from megarl.rollout.decode import DecodeState, GraphedStep, bucket_for, bucket_sizes, decode_step
-from megarl.runtime import cpu_compat
 from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens, uniform_table
 from megarl.rollout.tools import ERROR, TIMEOUT, Toolbox
+from megarl.runtime import cpu_compat
 
 __all__ = ["SamplingParams", "Rollout", "RolloutEngine", "MegatronRolloutEngine"]
 

@@ -124,13 +124,39 @@ def sample_tokens(filtered: torch.Tensor, params: SamplingParams, uniforms: torc
     return ids, lp
 
 
+_CDF_BLOCK = 2048  # vocabulary ids per block of the two-level inverse CDF
+
+
 def _inverse_cdf(e: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse-CDF draw in id order from unnormalised probabilities e [N, V] >= 0: (ids [N], total
-    [N] fp64): the first id whose cumulative mass (fp64) exceeds u * total. Never an id of zero
-    mass (the cumulative sum does not rise there, and the target stays below the total), and no
-    host read: the draw stays on the device."""
-    cdf = torch.cumsum(e, dim=-1, dtype=torch.float64)  # [N, V]
-    total = cdf[:, -1]
+    [N] fp64). The first id whose cumulative mass exceeds u * total, found in two levels: the sums of
+    blocks of _CDF_BLOCK ids, accumulated in fp64, pick the block; a cumulative sum inside that block
+    alone picks the id.
+    The same draw as one fp64 cumsum over V up to rounding (the block sums are fp32 sums of at most
+    _CDF_BLOCK terms), with a fraction of its memory traffic at a 152k vocabulary.
+    Never returns an id of zero mass: the block and the id are each the first whose cumulative
+    sum strictly exceeds the target, which the target is kept below. No host read: the draw
+    stays on the device."""
+    N, V = e.shape
+    Bk = _CDF_BLOCK
+    full = V // Bk
+    # block sums in e's dtype (a sum with dtype=float64 would first copy all of e to float64: 5x the
+    # time), accumulated across blocks in float64
+    parts = [e[:, : full * Bk].view(N, full, Bk).sum(-1)] if full else []
+    if V > full * Bk:
+        parts.append(e[:, full * Bk:].sum(-1, keepdim=True))
+    block_cdf = torch.cumsum(torch.cat(parts, dim=1).double(), dim=1)  # [N, nb]
+    total = block_cdf[:, -1]
     target = uniforms.to(e.device) * total  # [N] < total: u <= 1 - 2^-40
-    ids = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
-    return ids.clamp_(max=e.shape[-1] - 1), total
+    block = torch.searchsorted(block_cdf, target[:, None], right=True).squeeze(-1).clamp_(max=block_cdf.shape[1] - 1)
+    rows = torch.arange(N, device=e.device)
+    before = torch.where(block > 0, block_cdf[rows, (block - 1).clamp(min=0)], torch.zeros_like(total))
+    cols = block[:, None] * Bk + torch.arange(Bk, device=e.device)[None, :]  # [N, Bk]
+    inside = cols < V
+    seg = torch.where(inside, e.gather(1, cols.clamp(max=V - 1)), torch.zeros((), dtype=e.dtype, device=e.device))
+    cdf = torch.cumsum(seg, dim=1, dtype=torch.float64)  # [N, Bk] within the block
+    # target - before >= 0 exactly; below the block's own last cumulative value so that the id found
+    # has positive mass even where the block's sum and its cumsum round differently
+    local = torch.minimum(target - before, torch.nextafter(cdf[:, -1], torch.zeros_like(total)))
+    k = torch.searchsorted(cdf, local[:, None], right=True).squeeze(-1).clamp_(max=Bk - 1)
+    return (block * Bk + k).clamp_(max=V - 1), total
