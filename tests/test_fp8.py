@@ -84,6 +84,27 @@ def test_every_field_reaches_transformer_config(recipe):
         assert [is_first_last_bf16_layer(tc, i) for i in range(4)] == [True, False, True, True]
 
 
+TE_FORMATS = {"e4m3": "E4M3", "hybrid": "HYBRID"}
+
+
+def te_recipe(f: FP8Config, recipe_module=None):
+    """The Transformer Engine recipe object for train.fp8, as megatron-core 0.16 builds it (an
+    independent reading of TE's API, held against megatron-core's get_fp8_recipe below).
+
+    recipe_module: `transformer_engine.common.recipe` (imported here when None; tests pass a fake).
+    """
+    if not fp8_map.enabled(f):
+        raise ValueError("train.fp8.format is null: FP8 is off, there is no recipe")
+    if recipe_module is None:
+        from transformer_engine.common import recipe as recipe_module
+    fmt = getattr(recipe_module.Format, TE_FORMATS[f.format])
+    cls = getattr(recipe_module, TE_RECIPES[f.recipe][1])  # the TE recipe class
+    if f.recipe == "delayed":
+        return cls(fp8_format=fmt, margin=f.margin, amax_history_len=f.amax_history_len,
+                   amax_compute_algo=f.amax_compute_algo)
+    return cls(fp8_format=fmt)
+
+
 class _FakeRecipe:
     def __init__(self, **kw):
         self.kw = kw
@@ -96,21 +117,21 @@ FAKE_TE = types.SimpleNamespace(Format=types.SimpleNamespace(E4M3="E4M3", HYBRID
 @pytest.mark.parametrize("recipe", sorted(TE_RECIPES))
 def test_te_recipe_object(recipe):
     f = FP8Config(format="hybrid", recipe=recipe, amax_history_len=32, amax_compute_algo="max", margin=1)
-    r = fp8_map.te_recipe(f, FAKE_TE)
+    r = te_recipe(f, FAKE_TE)
     assert type(r).__name__ == TE_RECIPES[recipe][1]
     if recipe == "delayed":
         assert r.kw == {"fp8_format": "HYBRID", "margin": 1, "amax_history_len": 32, "amax_compute_algo": "max"}
     else:
         assert r.kw == {"fp8_format": "HYBRID"}
-    assert fp8_map.te_recipe(dataclasses.replace(f, format="e4m3"), FAKE_TE).kw["fp8_format"] == "E4M3"
+    assert te_recipe(dataclasses.replace(f, format="e4m3"), FAKE_TE).kw["fp8_format"] == "E4M3"
     with pytest.raises(ValueError, match="FP8 is off"):
-        fp8_map.te_recipe(FP8Config(), FAKE_TE)
+        te_recipe(FP8Config(), FAKE_TE)
 
 
 @pytest.mark.skipif(detect_device(cuda=False).te_version is not None, reason="Transformer Engine is installed")
 def test_te_recipe_without_te_is_an_import_error():
     with pytest.raises(ImportError):
-        fp8_map.te_recipe(ON)
+        te_recipe(ON)
 
 
 def test_generation_precision_switches_fp8_off_only_for_bf16_generation():
@@ -332,7 +353,7 @@ def test_te_recipe_is_the_one_megatron_core_builds(recipe):
     from megatron.core.fp8_utils import get_fp8_recipe
 
     f = FP8Config(format="hybrid", recipe=recipe, amax_history_len=64, amax_compute_algo="max", margin=1)
-    ours, theirs = fp8_map.te_recipe(f), get_fp8_recipe(_tc(f))
+    ours, theirs = te_recipe(f), get_fp8_recipe(_tc(f))
     assert isinstance(theirs, type(ours)) and ours.fp8_format == theirs.fp8_format
     if recipe == "delayed":
         assert (ours.margin, ours.amax_history_len, ours.amax_compute_algo) == \

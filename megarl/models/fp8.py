@@ -3,9 +3,8 @@
 megatron-core (0.16) runs FP8 from `TransformerConfig` alone: each transformer layer enters TE's
 `fp8_autocast` with the recipe `fp8_utils.get_fp8_recipe` builds from the config's fields, except
 the BF16 first/last layers; `fp8_param` makes TE create the GEMM weights as FP8 tensors, and
-DDP's `fp8_param_gather` all-gathers them as FP8. `te_recipe` builds the same TE recipe object
-here (for the doctor's FP8 probe and the GPU tests that compare it with megatron-core's). The
-rules these fields must satisfy (device, TE version, dimensions) are megarl.config.fp8's.
+DDP's `fp8_param_gather` all-gathers them as FP8. The rules these fields must satisfy (device,
+TE version, dimensions) are megarl.config.fp8's.
 
 Generation runs BF16 GEMMs by default (`rollout: bf16`): `generation_precision` switches FP8 off
 for a forward with an inference context (the rollout's KV-cache steps); scoring and training
@@ -18,12 +17,6 @@ from typing import Optional
 
 from megarl.config.fp8 import fp8_rows
 from megarl.config.schema import FP8Config
-
-# TE recipe class per megarl recipe (transformer_engine.common.recipe)
-TE_RECIPE_CLASSES = {"delayed": "DelayedScaling", "tensorwise": "Float8CurrentScaling",
-                     "blockwise": "Float8BlockScaling", "mxfp8": "MXFP8BlockScaling"}
-TE_FORMATS = {"e4m3": "E4M3", "hybrid": "HYBRID"}
-
 
 def enabled(f: Optional[FP8Config]) -> bool:
     return f is not None and f.format is not None
@@ -47,23 +40,6 @@ def transformer_config_fields(f: Optional[FP8Config]) -> dict:
         "num_layers_at_start_in_bf16": f.bf16_first_layers if bf16_layers else 1,
         "num_layers_at_end_in_bf16": f.bf16_last_layers if bf16_layers else 1,
     }
-
-
-def te_recipe(f: FP8Config, recipe_module=None):
-    """The Transformer Engine recipe object for train.fp8, as megatron-core 0.16 builds it.
-
-    recipe_module: `transformer_engine.common.recipe` (imported here when None; tests pass a fake).
-    """
-    if not enabled(f):
-        raise ValueError("train.fp8.format is null: FP8 is off, there is no recipe")
-    if recipe_module is None:
-        from transformer_engine.common import recipe as recipe_module
-    fmt = getattr(recipe_module.Format, TE_FORMATS[f.format])
-    cls = getattr(recipe_module, TE_RECIPE_CLASSES[f.recipe])
-    if f.recipe == "delayed":
-        return cls(fp8_format=fmt, margin=f.margin, amax_history_len=f.amax_history_len,
-                   amax_compute_algo=f.amax_compute_algo)
-    return cls(fp8_format=fmt)
 
 
 @contextlib.contextmanager
