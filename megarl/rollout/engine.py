@@ -340,14 +340,12 @@ class MegatronRolloutEngine(RolloutEngine):
                 graph = graphs.get(st.size)
                 if use_graphs and graph is None and T - taken >= 3:  # two warm-up steps, then replays
                     graph = graphs[st.size] = GraphedStep(lambda state=st: run(state), pool)
-                    taken += graph.warm_steps
-                elif graph is not None:
-                    graph.replay()
-                    taken += 1
+                    steps = graph.warm_steps
                 else:
-                    run(st)
-                    taken += 1
-                stats["forwards"] += 1
+                    graph.replay() if graph is not None else run(st)
+                    steps = 1
+                taken += steps
+                stats["forwards"] += steps
                 if taken % self.sync_every and taken < T:
                     continue
                 stats["host_syncs"] = stats.get("host_syncs", 0) + 1
