@@ -225,11 +225,9 @@ def gemm_rates(args, reps: int = 3) -> dict:
     """Best fp32 GFLOP/s per (linear, kind) at the step's shapes (4,096 tokens for training, one
     decode step's rows), in this process, of the fastest exact GEMM on the machine: MKL's sgemm
     (what `F.linear` runs, megarl's and TRL's CPU path) writing into an output allocated once, or
-    oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`, megarl's forward-only CPU
-    linears; not for grad(weight), which would need dy^T copied; bench_gemm_floor.py compares
-    them). A fresh output per call is not counted: at the LM head's shape (4,096 x 151,936 fp32,
-    2.5 GB) mapping and first-touching it made the forward GEMM take 1.3x as long (73 against 95
-    GFLOP/s, docs/benchmarks.md)."""
+    oneDNN's fp32 inner product (`torch.ops.mkldnn._linear_pointwise`; not for grad(weight),
+    which would need dy^T copied; bench_gemm_floor.py compares them). A fresh output per call is
+    not counted: at the LM head's shape mapping and first-touching it is a cost of its own."""
     import torch
     from bench_gemm_floor import impls, linears, operands
     from timing import best_wall_and_cpu
