@@ -13,22 +13,7 @@ import pytest
 import torch
 
 from dist_helpers import run_distributed
-
-VOCAB, PAD = 100, 0
-LENS = (1, 5, 9, 2, 13, 7, 4, 11, 3)
-
-
-def _model_cfg():
-    from megarl.config import ModelConfig
-
-    return ModelConfig(num_layers=3, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_kv_heads=2,
-                       vocab_size=VOCAB, max_position_embeddings=48, init_std=0.1)
-
-
-def _prompts():
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in LENS]
-
+from test_rollout import PAD, VOCAB, _model_cfg, _prompts  # the rollout tests' tiny model and mixed-length prompts
 
 def _stop_ids(role):
     """Two ids the greedy rollout emits at different steps, so rows stop at different times."""

@@ -32,12 +32,18 @@ def metric_names(k: int) -> tuple[str, str, str]:
     return "pass_at_1", f"pass_at_{k}", f"mean_at_{k}"
 
 
+def rl_sampling(r, stop_ids, n: int, temperature: float) -> SamplingParams:
+    """n samples per prompt at `temperature` (0: greedy) with the rl section's top-k, top-p and
+    length: RL's rollouts and every held-out evaluation sample through it."""
+    greedy = temperature == 0
+    return SamplingParams(n=n, temperature=1.0 if greedy else temperature, greedy=greedy, top_k=r.top_k,
+                          top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop_ids=tuple(stop_ids))
+
+
 def eval_sampling(r, stop_ids) -> SamplingParams:
     """The sampling of held-out evaluation (`megarl eval` and RL's): rl.eval_samples per prompt at
     rl.eval_temperature, greedy at 0."""
-    greedy = r.eval_temperature == 0
-    return SamplingParams(n=r.eval_samples, temperature=1.0 if greedy else r.eval_temperature, greedy=greedy,
-                          top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop_ids=tuple(stop_ids))
+    return rl_sampling(r, stop_ids, r.eval_samples, r.eval_temperature)
 
 
 def sample_and_grade(engine, items: list, tok, params, seed: int, sample_offset: int, reward_fn):

@@ -32,11 +32,10 @@ from megarl.ops import IGNORE_INDEX, head_token_loss
 from megarl.roles.microbatch import MicroBatch
 from megarl.roles.phases import PhaseClock, PhaseScheduler
 from megarl.roles.role import Role
-from megarl.rollout.engine import SamplingParams
 from megarl.runtime.distributed import dp_gather_objects, dp_group, dp_max, dp_means
 from megarl.trainers import data_setup
 from megarl.trainers.common import mix_seed, padding_waste, plan_microbatches
-from megarl.trainers.evaluate import eval_sampling, pass_at_k_eval, rollout_engine, tool_metric_pairs
+from megarl.trainers.evaluate import eval_sampling, pass_at_k_eval, rl_sampling, rollout_engine, tool_metric_pairs
 from megarl.trainers.loop import Stage, train_stage
 from megarl.trainers.stops import StageStopped
 from megarl.trainers.weights import build_roles
@@ -266,7 +265,7 @@ class RLStage(Stage):
         parts, signals, reward_pairs, generated_tokens = [], [], {}, 0
         for k in range(rounds):
             batch = next(self.prompts)
-            params = self._sampling(r.temperature, r.samples_per_prompt)
+            params = rl_sampling(r, self.tok.stop_ids, r.samples_per_prompt, r.temperature)
             rows_per_rank = len(batch["prompt_ids"]) * r.samples_per_prompt
             seed = mix_seed(self.cfg.train.seed, step) if k == 0 else mix_seed(self.cfg.train.seed, step, k)
             with clock.phase("generate"):
@@ -441,11 +440,6 @@ class RLStage(Stage):
             metrics.update(self._train(self.actor, exp, self._policy_loss(), step, "actor",
                                        hidden=self.cfg.rl.fused_head))
         return metrics
-
-    def _sampling(self, temperature: float, n: int) -> SamplingParams:
-        r = self.cfg.rl
-        return SamplingParams(n=n, temperature=temperature, top_k=r.top_k, top_p=r.top_p,
-                              max_new_tokens=r.max_new_tokens, stop_ids=tuple(self.tok.stop_ids))
 
     def _policy_loss(self):
         r = self.cfg.rl
