@@ -92,7 +92,7 @@ def _contract_body(rank, world_size):
     real = engine_mod.decode_step
 
     def guarded(model, ctx, st, params, **kw):
-        tensors = [getattr(st, f) for f in ("tokens", "positions", "mask", "step", "uniforms", "out_ids", "out_lp",
+        tensors = [getattr(st, f) for f in ("tokens", "positions", "mask", "uniforms", "out_ids", "out_lp",
                                             "resp_len", "done", "stopped")]
         tensors += [c for kv in ctx.key_value_memory_dict.values() for c in kv]
         storages = [t.untyped_storage().data_ptr() for t in tensors]
@@ -125,6 +125,68 @@ def test_decode_step_reads_nothing_on_the_host_and_keeps_its_storage():
     seen = run_distributed(_contract_body, 1)[0]
     assert seen["steps"] > 10
     assert seen["reads"] == [], f"host reads inside the decode step: {sorted(set(seen['reads']))}"
+
+
+def _workspace_body(rank, world_size):
+    from megarl.config import ParallelConfig
+    from megarl.roles import offload
+    from megarl.roles.residency import ResidencyLedger
+    from megarl.roles.role import Role
+    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    init_distributed(1, 1, seed=11)
+    role = Role("actor", _model_cfg(), ParallelConfig(), head="lm", seed=5)
+    ledger = ResidencyLedger()
+    offload.attach(role, ledger)
+    eager = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=16, static_decode=False)
+    eng = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=16, static_decode=True,
+                                sync_every=3)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, stop_ids=_stop_ids(role))
+
+    def memory():  # where each kept tensor lives
+        ws = eng.workspace
+        out = {("cache", layer): [c.data_ptr() for c in kv] for layer, kv in ws.cache.items()}
+        for key, st in ws.states.items():
+            out[("state", key)] = [getattr(st, f).data_ptr() for f in ("tokens", "positions", "mask", "uniforms",
+                                                                        "out_ids", "out_lp", "done")]
+        return out
+
+    out = {"same": [], "kept": [], "ledger": []}
+    g = torch.Generator().manual_seed(4)
+    for call in range(3):
+        before = memory()
+        got = eng.generate(_prompts(), params, seed=call)
+        out["same"].append(got.responses() == eager.generate(_prompts(), params, seed=call).responses())
+        after = memory()
+        out["kept"].append(all(after[k] == v for k, v in before.items() if k in after) and
+                           (call == 0 or set(before) <= set(after)))
+        out["ledger"].append((ledger.workspaces.get("actor/decode"), eng.workspace.nbytes(),
+                              got.stats.get("static_decode", False)))
+        with torch.no_grad():  # an optimizer step: the weights change in place
+            for p in role.chunks[0].parameters():
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-2)
+    offload.offload(role, params=True, grads=False, optimizer=False)
+    out["after_offload"] = (len(eng.workspace.cache), len(eng.workspace.states), ledger.workspaces["actor/decode"])
+    offload.onload(role)
+    got = eng.generate(_prompts(), params, seed=9)
+    out["after_onload"] = got.responses() == eager.generate(_prompts(), params, seed=9).responses()
+    teardown()
+    return out
+
+
+def test_workspace_is_kept_across_calls_and_released_by_the_offload():
+    """The static decode's cache and states keep their memory from one generate call to the next
+    (what graphs captured in one RL step replay against in the next), with the weights updated in
+    place between calls; the ledger counts them under actor/decode; offloading the actor's
+    parameters releases them, and the next call rebuilds them."""
+    out = run_distributed(_workspace_body, 1)[0]
+    assert out["same"] == [True] * 3, "the static path's tokens differ from the per-step path's"
+    assert out["kept"] == [True] * 3, "the workspace's tensors moved between calls"
+    for counted, nbytes, static in out["ledger"]:
+        assert static and counted == nbytes > 0
+    assert out["after_offload"] == (0, 0, 0)
+    assert out["after_onload"]
 
 
 def test_guard_catches_each_kind_of_host_read():
@@ -189,8 +251,10 @@ def test_cuda_graphs_on_and_off_give_the_same_tokens(monkeypatch):
                              "graphs": dict(static_decode=True, cuda_graphs=True)}.items():
                 eng = MegatronRolloutEngine(role, vocab_size=1000, pad_id=0, max_batch_size=64, **kw)
                 runs[mode] = eng.generate(prompts, params, seed=11)
-            assert runs["graphs"].stats["cuda_graphs"] >= 1
+            assert runs["graphs"].stats["cuda_graphs_captured"] >= 1
             assert runs["graphs"].responses() == runs["static"].responses()
+            again = eng.generate(prompts, params, seed=11)  # the graphs engine: its graphs are kept
+            assert again.stats["cuda_graphs_captured"] == 0 and again.responses() == runs["graphs"].responses()
             if params.greedy:
                 assert runs["static"].responses() == runs["eager"].responses()
     finally:

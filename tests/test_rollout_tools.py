@@ -174,6 +174,17 @@ def _single_body(rank, world_size):
         bad = FunctionTool(fn, name=name, timeout_s=0.2, max_output_chars=20)
         bad.call_open, bad.call_close = "<<", "="  # in place of the calculator: the biased model calls it
         out[name] = _engine(role, Toolbox([bad], max_calls=2)).generate(prompts, params, seed=21)
+
+    # 5. the static (graph-safe) decode path: held rows, calls and stop strings checked at sync points
+    out["static"] = []
+    strings = SamplingParams(n=4, max_new_tokens=24, stop_ids=tuple(tok.stop_ids), stop_strings=("+1", "9<"))
+    short = SamplingParams(n=4, max_new_tokens=9, stop_ids=tuple(tok.stop_ids))
+    for sync_every, p_, tools in ((1, params, box), (5, params, box), (3, strings, box), (4, strings, None),
+                                  (2, short, _toolbox(max_calls=1))):
+        ref = _engine(role, tools, max_batch_size=8, static_decode=False).generate(prompts, p_, seed=21)
+        got = _engine(role, tools, max_batch_size=8, static_decode=True, sync_every=sync_every).generate(
+            prompts, p_, seed=21)
+        out["static"].append((sync_every, ref, got))
     if hook is not None:
         hook.remove()
     teardown()
@@ -196,6 +207,28 @@ def _observations(r, i):
             spans.append(cur)
             cur = []
     return spans + ([cur] if cur else [])
+
+
+def test_static_decode_gives_the_per_step_paths_rows_with_tools_and_stop_strings(single):
+    """Tool calls and stop strings in the graph-safe path: a row holds after a token that may
+    close a call or end a stop string and the host checks it at the next sync point, so the rows
+    (tokens, observations, counts, stops) are the per-step path's whatever sync_every."""
+    calls = 0
+    for sync_every, ref, got in single["static"]:
+        assert got.stats.get("static_decode") and not ref.stats.get("static_decode")
+        assert got.responses() == ref.responses(), sync_every
+        for name in ("sampled_mask", "stopped", "tool_calls", "tool_errors", "observation_tokens", "hit_call_limit"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), (name, sync_every)
+        torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=0, atol=1e-5)
+        if sync_every > 1:
+            assert got.stats["host_syncs"] < got.stats["forwards"]
+        calls += int(ref.tool_calls.sum())
+    from megarl.data.tokenizer import ByteTokenizer
+
+    stop_ids = set(ByteTokenizer().stop_ids)
+    on_strings = [r for _, ref, _ in single["static"][2:4] for r, resp in enumerate(ref.responses())
+                  if ref.stopped[r] and resp[-1] not in stop_ids]
+    assert calls > 10 and on_strings, (calls, on_strings)
 
 
 def test_observations_keep_the_kv_cache_exact(single):

@@ -253,8 +253,8 @@ class RLConfig:
     top_p: float = 1.0
     rollout_batch_size: int = 64  # rows per generation micro-batch (bounds the KV cache)
     # on a GPU, decode steps run the graph-safe step (no host read per token), captured as CUDA
-    # graphs (false: the same step uncaptured); the host reads the finished flags every
-    # decode_sync_every steps. Tools, stop strings and PP > 1 take the per-step path.
+    # graphs kept across RL steps (false: the same step uncaptured); the host reads the finished
+    # flags, tool calls and stop strings every decode_sync_every steps. PP > 1: the per-step path.
     cuda_graphs: bool = True
     decode_sync_every: int = 8
     # the behaviour policy's log-probs: recomputed by a forward of the actor (exact: ratio 1 on

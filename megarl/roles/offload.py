@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,7 @@ class _RoleState:
     pool: dict = field(default_factory=dict)  # nbytes -> [free host buffers], reused across cycles
     guards: list = field(default_factory=list)  # removable hooks / shadowed methods
     pending: object = None  # CUDA event of an onload still copying
+    workspaces: dict = field(default_factory=dict)  # name -> WeakSet of objects with release(), nbytes()
 
 
 def _state(role, ledger: ResidencyLedger | None = None) -> _RoleState:
@@ -67,6 +69,22 @@ def attach(role, ledger: ResidencyLedger) -> None:
     """Report this role's moves to `ledger` (default: the process-wide ledger)."""
     _state(role, ledger)
     _record(role, "attach")
+    report_workspaces(role)
+
+
+def register_workspace(role, name: str, workspace) -> None:
+    """Device memory built on the role's parameters (the rollout engine's KV cache and CUDA
+    graphs, which read the weights where they are): released before the parameters leave the
+    device, counted in the ledger as `<role>/<name>` (all of that name together: several engines
+    may sample from one role). workspace: release(), nbytes(); held weakly."""
+    _state(role).workspaces.setdefault(name, weakref.WeakSet()).add(workspace)
+
+
+def report_workspaces(role) -> None:
+    """The role's workspaces' bytes into its ledger (after they grew or were released)."""
+    st = _state(role)
+    for name, kept in st.workspaces.items():
+        st.ledger.record_workspace(f"{role.name}/{name}", sum(ws.nbytes() for ws in kept))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,6 +239,11 @@ def offload(role, params: bool = True, grads: bool = True, optimizer: bool = Tru
                              "(after forward_backward, before the optimizer step); step first or pass grads=False")
     st = _state(role)
     _wait_pending(st)
+    if "params" in kinds and st.workspaces:  # they read the parameters' memory, which is about to go
+        for kept in st.workspaces.values():
+            for ws in kept:
+                ws.release()
+        report_workspaces(role)
     found = role_storages(role)
     moves = [(kind, k, s) for kind in kinds for k, s in found[kind].items()
              if k not in st.offloaded[kind] and s.nbytes() > 0]

@@ -23,6 +23,7 @@ class ResidencyLedger:
         self.phase_peak_bytes: dict[str, int] = {}  # phase -> peak ledger device bytes in it
         self.cuda: dict[str, dict] = {}  # phase -> {"allocated": bytes at exit, "peak": bytes}
         self.events: list[tuple] = []  # (phase, role, event, device total after it)
+        self.workspaces: dict[str, int] = {}  # "role/name" -> device bytes built on a role's weights
 
     def record(self, role: str, residency: dict, event: str = "") -> None:
         self.roles[role] = {k: dict(v) for k, v in residency.items()}
@@ -33,8 +34,19 @@ class ResidencyLedger:
         self.events.append((self.phase, role, event, total))
         del self.events[:-1000]  # a bounded trail
 
+    def record_workspace(self, name: str, nbytes: int) -> None:
+        """Device bytes of a workspace ("role/name", e.g. the rollout's KV cache and graphs)."""
+        self.workspaces[name] = int(nbytes)
+        total = self.device_bytes()
+        self.peak_device_bytes = max(self.peak_device_bytes, total)
+        if self.phase is not None:
+            self.phase_peak_bytes[self.phase] = max(self.phase_peak_bytes.get(self.phase, 0), total)
+
     def device_bytes(self, role: str | None = None, kind: str | None = None) -> int:
-        return self._sum("device", role, kind)
+        """Params, grads and optimizer state (`kind`), and with kind None the workspaces too."""
+        ws = 0 if kind is not None else sum(b for n, b in self.workspaces.items()
+                                            if role is None or n.split("/")[0] == role)
+        return self._sum("device", role, kind) + ws
 
     def host_bytes(self, role: str | None = None, kind: str | None = None) -> int:
         return self._sum("host", role, kind)
@@ -61,6 +73,7 @@ class ResidencyLedger:
         """A loggable view: per-role bytes, totals, peaks."""
         return {"phase": self.phase, "roles": {n: {k: dict(v) for k, v in r.items()} for n, r in self.roles.items()},
                 "device_bytes": self.device_bytes(), "host_bytes": self.host_bytes(),
+                "workspaces": dict(self.workspaces),
                 "peak_device_bytes": self.peak_device_bytes, "phase_peak_bytes": dict(self.phase_peak_bytes),
                 "cuda": {p: dict(v) for p, v in self.cuda.items()}}
 
@@ -71,6 +84,8 @@ class ResidencyLedger:
                f"{prefix}peak_device_gib": self.peak_device_bytes / gib}
         for n in self.roles:
             out[f"{prefix}{n}/device_gib"] = self.device_bytes(n) / gib
+        for n, b in self.workspaces.items():
+            out[f"{prefix}{n}_gib"] = b / gib
         return out
 
 

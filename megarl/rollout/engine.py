@@ -5,7 +5,8 @@ over left-padded prompts (explicit [b, 1, sq, sk] mask), then one token per step
 megatron-core's `StaticInferenceContext` holding the KV cache, which megarl's attention module
 fills with keys after RoPE, in a [B, g, S, d] layout (models/attention.py). On a GPU the decode
 steps after the prefill run rollout/decode.py's graph-safe step (no host read per token, CUDA
-graphs per bucket of rows; `static_decode`). megatron-core's own
+graphs per bucket of rows kept across calls; tool calls and stop strings checked at sync points;
+`static_decode`). megatron-core's own
 engines do not fit RL on CPU (megatron-core 0.16): the dynamic one needs CUDA kernels, the legacy static
 one samples padded-vocabulary ids, ignores the temperature in its log-probs and seeds every
 rank alike.
@@ -42,7 +43,7 @@ import torch.distributed as dist
 
 from megarl.models.attention import slot_context_class
 from megarl.models.layout import unwrap
-from megarl.rollout.decode import DecodeState, GraphedStep, bucket_for, bucket_sizes, decode_step
+from megarl.rollout.decode import DecodeState, DecodeWorkspace, bucket_for, bucket_sizes, decode_step
 from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens, uniform_table
 from megarl.rollout.tools import ERROR, TIMEOUT, Toolbox
 from megarl.runtime import cpu_compat
@@ -116,11 +117,14 @@ class MegatronRolloutEngine(RolloutEngine):
             live rows' written positions move down in place, ~log(rows) / log(4/3) times a batch).
         tools: a Toolbox (tools + max calls per sample); needs decode and encode (observation text -> ids).
         static_decode: decode steps through rollout/decode.py's graph-safe step (fixed shapes, no
-            host read; the finished flags read every `sync_every` steps, compaction into buckets of
-            rows then) where the call allows it: PP 1, no tools, no stop strings; elsewhere the
-            per-step path below. None: on a CUDA device. cuda_graphs: on a CUDA device, each
-            bucket's step is captured once per KV-cache batch and replayed."""
+            host read; the finished and held flags read every `sync_every` steps, tool calls, stop
+            strings and compaction into buckets of rows then) at PP 1; at PP > 1 the per-step
+            path below. None: on a CUDA device. Its KV cache, states and graphs live in
+            `self.workspace` across calls (released with `release()`, which the actor's offload
+            calls). cuda_graphs: on a CUDA device, each bucket's step is captured once and replayed
+            in every later call of the same shape."""
         self.chunks = _model_chunks(role)
+        self._role = role if hasattr(role, "chunks") and hasattr(role, "name") else None
         self.model = self.chunks[0]
         self.gpt = unwrap(self.model)
         if getattr(self.gpt, "megarl_head", "lm") != "lm":
@@ -140,10 +144,19 @@ class MegatronRolloutEngine(RolloutEngine):
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         self.sync_every, self.cuda_graphs = int(sync_every), bool(cuda_graphs)
+        self.workspace = DecodeWorkspace()
+        self._holds: dict = {}  # last characters -> token ids that may end such a string
+        if self._role is not None:  # the role's offload releases the workspace, its ledger counts it
+            from megarl.roles import offload
+            offload.register_workspace(self._role, "decode", self.workspace)
         if self.tools is not None and (decode is None or encode is None):
             raise ValueError("MegatronRolloutEngine(tools=...) needs decode and encode functions (the tokenizer's)")
 
     # ------------------------------------------------------------------ public
+
+    def release(self) -> None:
+        """Free the static decode's KV cache, states and CUDA graphs (rebuilt by the next call)."""
+        self.workspace.release()
 
     @torch.no_grad()  # not inference_mode: megatron's global buffers must stay usable in training
     def generate(self, prompts: list[list[int]], params: SamplingParams, *, seed: int,
@@ -152,7 +165,13 @@ class MegatronRolloutEngine(RolloutEngine):
         self._check_prompts(prompts, params)
         # PP 1: no schedule asks for a "cuda" device, so megatron's CPU shim is off for the call
         with cpu_compat.suspended() if self.config.pipeline_model_parallel_size == 1 else contextlib.nullcontext():
-            return self._generate(prompts, params, seed, sample_offset)
+            out = self._generate(prompts, params, seed, sample_offset)
+        if self.workspace.cache:
+            out.stats["workspace_bytes"] = self.workspace.nbytes()
+        if self._role is not None:
+            from megarl.roles import offload
+            offload.report_workspaces(self._role)
+        return out
 
     def _generate(self, prompts, params, seed, sample_offset):
         n = params.n
@@ -206,6 +225,13 @@ class MegatronRolloutEngine(RolloutEngine):
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
         P = int(lens.max())
         S = P + T
+        rt = _RowTools(B, T) if self.tools is not None else None
+        static = self.static_decode and self.config.pipeline_model_parallel_size == 1
+        ws = self.workspace
+        if static:  # slots in steps of 256 (at most the model's): calls of close lengths share graphs
+            S = min(-(-S // 256) * 256, max(S, self.max_seq_len))
+            if not ws.fits(B, S):
+                ws.release()  # before the new cache is allocated
         pads = P - lens  # [B] left padding per row
         tokens = torch.full((B, P), self.pad_id, dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -224,16 +250,19 @@ class MegatronRolloutEngine(RolloutEngine):
         resp_len = torch.zeros(B, dtype=torch.long)
         done = torch.zeros(B, dtype=torch.bool)
         stopped = torch.zeros(B, dtype=torch.bool)
-        rt = _RowTools(B, T) if self.tools is not None else None
-        static = (self.static_decode and rt is None and not params.stop_strings
-                  and self.config.pipeline_model_parallel_size == 1)
         scan_from = rt.scan_from if rt is not None else [0] * B  # response index after the last observation
 
         # One prefill per prompt: the n samples of a prompt are consecutive rows (the order is
         # sorted stably by length), so each run of equal rows is prefilled once and its KV entries
         # are copied to the run's rows before the first token is sampled.
         first, expand = _prompt_runs(prompts)  # [U] prefilled rows, [B] -> index of the row's run
-        ctx = slot_context_class()(len(first), S)
+        if not static:
+            ctx = slot_context_class()(len(first), S)
+        elif ws.fits(B, S):  # the cache of earlier calls, at its own size (the graphs read it there)
+            ctx = slot_context_class()(ws.rows, ws.seq)
+            ctx.key_value_memory_dict.update(ws.views())
+        else:  # allocated by the prefill, kept by the workspace
+            ctx = slot_context_class()(max(B, self.max_batch_size), S)
         ctx.materialize_only_last_token_logits = True
         active = torch.arange(B)  # batch row of each cache row (shrinks as rows finish)
         try:
@@ -246,9 +275,12 @@ class MegatronRolloutEngine(RolloutEngine):
                     u = first.to(dev)
                     ids, lps = self._step(step_tokens[u], positions[u], mask[u], ctx, params, seed, sample_ids, t,
                                           expand=expand)  # [B]
-                    _take_cache_rows(ctx, expand.to(dev), P)  # [U] -> [B] cache rows: a prompt's keys to its samples
                 else:
                     ids, lps = self._step(step_tokens, positions, mask, ctx, params, seed, sample_ids[active], t)  # [A]
+                if t == 0 and static and not ws.cache:
+                    ws.adopt(ctx.key_value_memory_dict, ctx.max_batch_size, ctx.max_sequence_length)
+                if t == 0 and len(first) < B:
+                    _take_cache_rows(ctx, expand.to(dev), P)  # [U] -> [B] cache rows: a prompt's keys to its samples
                 offset += step_tokens.shape[1]
                 ctx.increment_sequence_len_offset(step_tokens.shape[1])
                 if t == 0:
@@ -279,13 +311,14 @@ class MegatronRolloutEngine(RolloutEngine):
                 done[rows[hit]] = True
                 if rt is not None and t + 1 < T:
                     t1 = time.perf_counter()
-                    ends = self._tool_calls(rt, rows[~hit], out_ids, t)
+                    ends = self._tool_calls(rt, [(r, t) for r in rows[~hit].tolist()], out_ids)
                     done[ends] = True
                     stats["tool_s"] += time.perf_counter() - t1
                 if bool(done.all()):
                     break
                 alive = ~done[active]  # [A]
-                if self.compact and len(active) - int(alive.sum()) >= max(1, (len(active) + 3) // 4):
+                if (self.compact and not static  # the static path compacts into buckets
+                        and len(active) - int(alive.sum()) >= max(1, (len(active) + 3) // 4)):
                     keep = torch.nonzero(alive).flatten()  # finished rows leave the cache: less work per step
                     _take_cache_rows(ctx, keep.to(dev), offset)
                     active, ids, key_pad, pads = active[keep], ids[keep], key_pad[keep.to(dev)], pads[keep.to(dev)]
@@ -294,9 +327,10 @@ class MegatronRolloutEngine(RolloutEngine):
                 mask = key_pad[:, None, None, : offset + 1]  # [A, 1, 1, sk]: the new token sees all real keys
                 if static:  # steps 1.. on the device (rollout/decode.py)
                     t0 = time.perf_counter()
-                    self._decode_static(ctx, active, step_tokens, key_pad, offset, (out_ids, out_lp, resp_len, done,
-                                                                                    stopped), sample_ids, params, seed,
-                                        stats)
+                    observed = rt.observed if rt is not None else torch.zeros(B, T, dtype=torch.bool)
+                    self._decode_static(ctx, active, step_tokens, key_pad, offset,
+                                        (out_ids, out_lp, resp_len, done, stopped, observed), sample_ids, params,
+                                        seed, stats, rt)
                     stats["decode_s"] += time.perf_counter() - t0
                     break
         finally:
@@ -308,72 +342,151 @@ class MegatronRolloutEngine(RolloutEngine):
             "errors": [0] * B, "timeouts": [0] * B, "hit_limit": [False] * B}
         return responses, logprobs, stopped.tolist(), extras
 
-    def _decode_static(self, ctx, active, tokens, key_pad, offset, outputs, sample_ids, params, seed, stats):
-        """Decode steps 1..T-1 of one KV-cache batch with rollout/decode.py's graph-safe step; the
-        results land in `outputs` (host out_ids, out_lp, resp_len, done, stopped, indexed by
-        batch row), as the per-step loop writes them. The host reads the finished flags every
-        sync_every steps; then the live rows move into the smallest bucket that holds them."""
-        dev, T = self.device, params.max_new_tokens
-        st = DecodeState(tokens=tokens.clone(), positions=torch.full((len(active), 1), offset, dtype=torch.long,
-                                                                     device=dev),
-                         key_pad=key_pad.clone(), mask=torch.empty(len(active), 1, 1, key_pad.shape[1], dtype=torch.bool,
-                                                                   device=dev),
-                         step=torch.ones(1, dtype=torch.long, device=dev),
-                         uniforms=uniform_table(seed, sample_ids[active], range(T)).to(dev),
-                         rows=active.clone(), **{k: v[active].to(dev) for k, v in zip(_STATE_OUT, outputs)})
+    def _decode_static(self, ctx, active, tokens, key_pad, offset, outputs, sample_ids, params, seed, stats, rt):
+        """Decode steps 1.. of one KV-cache batch with rollout/decode.py's graph-safe step; the
+        results land in `outputs` (host out_ids, out_lp, resp_len, done, stopped, observed,
+        indexed by batch row), as the per-step loop writes them. The host reads the finished and
+        held flags every sync_every steps: held rows' text is checked for stop strings and tool
+        calls as the per-step loop does at every token (a call's observation is queued on the
+        device, the row resumes), and the live rows move into the smallest bucket that holds them.
+        The states, constants and graphs are the workspace's: a later call of the same shape
+        replays the graphs captured here."""
+        dev, T, ws = self.device, params.max_new_tokens, self.workspace
+        st = ws.state(len(active), T, dev)
+        st.tokens.copy_(tokens)
+        st.positions.fill_(offset)
+        st.key_pad.copy_(key_pad)
+        st.uniforms.copy_(uniform_table(seed, sample_ids[active], range(T)))
+        for name, v in zip(_STATE_OUT, outputs):
+            getattr(st, name).copy_(v[active])
+        st.held.zero_()
+        st.forced_len.zero_()
+        st.forced_pos.zero_()
+        if rt is not None:  # observations queued by the prefill's token
+            for i, r in enumerate(active.tolist()):
+                self._queue_forced(st, i, rt, r)
+        st.rows = active.clone()
         st.refresh_mask()
-        stop_ids = torch.tensor(sorted(set(params.stop_ids)), dtype=torch.long, device=dev)
+        stops = tuple(sorted(set(params.stop_ids)))
+        stop_ids = ws.constant(("stop_ids", stops), stops, dev)
+        holds = self._hold_ids(params)
+        hold_ids = ws.constant(("hold_ids", holds), holds, dev) if holds is not None else None
+        sampling = (params.greedy, params.temperature, params.top_k, params.top_p, params.logprobs, stops, holds)
         sizes = bucket_sizes(st.size)
-        graphs, pool = {}, None
         use_graphs = self.cuda_graphs and dev.type == "cuda"
-        if use_graphs:
-            pool = torch.cuda.graph_pool_handle()
+        captured = 0
 
         def run(state):
             decode_step(self.model, ctx, state, params, vocab_size=self.vocab_size, pad_id=self.pad_id,
-                        stop_ids=stop_ids)
+                        stop_ids=stop_ids, hold_ids=hold_ids)
 
         ctx.slots = st.positions[:, 0]
-        taken = 1  # response tokens every row has had a chance at (the prefill's)
+        taken = 1  # decode steps since the prefill (a row without holds has taken as many tokens)
         try:
-            while taken < T:
-                graph = graphs.get(st.size)
-                if use_graphs and graph is None and T - taken >= 3:  # two warm-up steps, then replays
-                    graph = graphs[st.size] = GraphedStep(lambda state=st: run(state), pool)
-                    steps = graph.warm_steps
+            while True:
+                key = (st.size, ws.seq, T, sampling)
+                steps = 0
+                if use_graphs and (key in ws.graphs or T - taken >= 3):  # a capture runs two warm-up steps
+                    graph, steps = ws.graph(key, lambda state=st: run(state))
+                    captured += steps > 0
+                    if not steps:
+                        graph.replay()
                 else:
-                    graph.replay() if graph is not None else run(st)
-                    steps = 1
+                    run(st)
+                steps = max(steps, 1)
                 taken += steps
                 stats["forwards"] += steps
                 if taken % self.sync_every and taken < T:
                     continue
                 stats["host_syncs"] = stats.get("host_syncs", 0) + 1
-                if bool(st.done.all()):  # the only host reads: at sync points
+                if holds is not None:  # the only host reads: at sync points
+                    self._release_holds(st, outputs, rt, params, stats)
+                if bool(st.done.all()):
                     break
+                if taken > T * (self.sync_every + 1):
+                    raise RuntimeError(f"static decode: rows still live after {taken} steps of {T} tokens")
                 live = int((~st.done).sum())
                 target = bucket_for(live, sizes) if self.compact else st.size
                 if target < st.size:  # live rows first, then finished ones to fill the bucket
                     _write_back(st, outputs)
                     keep = torch.argsort(st.done.to(torch.uint8).cpu(), stable=True)[:target].sort().values
                     _take_cache_rows(ctx, keep.to(dev), offset + taken - 1)
-                    st = st.take(keep)
+                    st = ws.state(target, T, dev).load(st, keep)
                     ctx.slots = st.positions[:, 0]
                     stats["compactions"] += 1
         finally:
             ctx.slots = None
         _write_back(st, outputs)
         stats["static_decode"] = True
-        stats["cuda_graphs"] = stats.get("cuda_graphs", 0) + len(graphs)
+        stats["cuda_graphs_captured"] = stats.get("cuda_graphs_captured", 0) + captured
+        stats["cuda_graphs"] = len(ws.graphs)
+
+    def _hold_ids(self, params) -> tuple | None:
+        """The token ids after which a row waits for the host: those whose text holds the last
+        character of a stop string or of a tool's call close (a string can only be completed by
+        a token holding its last character, where the tokenizer decodes a sequence as its tokens'
+        texts joined). None: nothing to check."""
+        ends = {s_[-1] for s_ in params.stop_strings}
+        if self.tools is not None:
+            ends |= {tool.call_close[-1] for tool in self.tools.tools}
+        if not ends:
+            return None
+        key = tuple(sorted(ends))
+        if key not in self._holds:
+            self._holds[key] = tuple(i for i in range(self.vocab_size) if any(c in self.decode([i]) for c in key))
+        return self._holds[key]
+
+    def _release_holds(self, st, outputs, rt, params, stats) -> None:
+        """At a sync point: the held rows' text as the per-step loop checks it after each token
+        (stop strings, then tool calls); their outcome goes back to the device, the rows resume."""
+        held = torch.nonzero(st.held.cpu()).flatten().tolist()
+        if not held:
+            return
+        _write_back(st, outputs)
+        out_ids, _, resp_len, _, _, observed = outputs
+        T = out_ids.shape[1]
+        scan_from = rt.scan_from if rt is not None else None
+        calls = []
+        for i in held:
+            r = int(st.rows[i])
+            t = int(resp_len[r]) - 1  # the held token's response index
+            if params.stop_strings and not observed[r, t]:
+                text = self.decode(out_ids[r, (scan_from[r] if scan_from else 0): t + 1].tolist())
+                if any(s_ in text for s_ in params.stop_strings):
+                    st.stopped[i] = st.done[i] = True
+                    continue
+            if rt is not None and t + 1 < T:
+                calls.append((r, t))
+        if calls:
+            t1 = time.perf_counter()
+            ends = set(self._tool_calls(rt, calls, out_ids).tolist())
+            stats["tool_s"] += time.perf_counter() - t1
+            for i in held:
+                r = int(st.rows[i])
+                if r in ends:
+                    st.done[i] = True
+                else:
+                    self._queue_forced(st, i, rt, r)
+        st.held.zero_()
+
+    @staticmethod
+    def _queue_forced(st, i: int, rt, r: int) -> None:
+        """Batch row r's queued observation tokens (rt.pending) into cache row i's device queue."""
+        ids = rt.pending[r][: st.forced.shape[1]]
+        if not ids:
+            return
+        st.forced[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        st.forced_len[i], st.forced_pos[i] = len(ids), 0
+        rt.pending[r] = []
 
     # ------------------------------------------------------------------ tools
 
-    def _tool_calls(self, rt: "_RowTools", rows: torch.Tensor, out_ids: torch.Tensor, t: int) -> torch.Tensor:
-        """Rows (batch indices) whose token at step t closed a tool call: run the calls, queue their
-        observations; returns the rows that end on the call limit."""
+    def _tool_calls(self, rt: "_RowTools", rows: list, out_ids: torch.Tensor) -> torch.Tensor:
+        """Rows whose token at response index t closed a tool call (rows: (batch row, t) pairs):
+        run the calls, queue their observations; returns the rows that end on the call limit."""
         box = self.tools
         pending, ends = [], []
-        for r in rows.tolist():
+        for r, t in rows:
             if rt.observed[r, t]:
                 continue
             lo = rt.scan_from[r]
@@ -387,10 +500,10 @@ class MegatronRolloutEngine(RolloutEngine):
                 rt.hit_limit[r] = True
                 ends.append(r)
                 continue
-            pending.append((r, call))
+            pending.append((r, t, call))
         if pending:
-            observations = self._run_tools([c for _, c in pending])
-            for (r, _), (ids, status) in zip(pending, observations):
+            observations = self._run_tools([c for _, _, c in pending])
+            for (r, t, _), (ids, status) in zip(pending, observations):
                 rt.queue(r, ids, status, t)
         return torch.tensor(ends, dtype=torch.long)
 
@@ -510,11 +623,11 @@ class MegatronRolloutEngine(RolloutEngine):
 
 
 _ROW_EXTRAS = ("observed", "calls", "errors", "timeouts", "hit_limit")
-_STATE_OUT = ("out_ids", "out_lp", "resp_len", "done", "stopped")  # DecodeState's outputs, as _write_back takes them
+_STATE_OUT = ("out_ids", "out_lp", "resp_len", "done", "stopped", "observed")  # DecodeState's outputs, as _write_back takes them
 
 
 def _write_back(st: DecodeState, outputs) -> None:
-    """A DecodeState's outputs into the host tensors (out_ids, out_lp, resp_len, done, stopped)
+    """A DecodeState's outputs into the host tensors (out_ids, out_lp, resp_len, done, stopped, observed)
     at its batch rows."""
     for name, dst in zip(_STATE_OUT, outputs):
         dst[st.rows] = getattr(st, name).cpu()
