@@ -33,8 +33,9 @@ generation returns).
 --decode: the rollout engine alone (MegatronRolloutEngine.generate, random bf16 weights, prompts of
 128 tokens, --new-tokens each with no stop id), at each --rows, with decode steps three ways:
 "eager" (the per-step path: a host read per token), "static" (the graph-safe step, no CUDA graph)
-and "graphs" (the same step captured per bucket and replayed). Reported per way: generated tokens
-per second (generate call, prefill included), the mean decode step in ms, and that against the
+and "graphs" (the same step captured per bucket and replayed). Each way's engine generates once
+untimed (as the RL step before would: its graphs are captured then and kept), then the timed
+call. Reported per way: generated tokens per second (generate call, prefill included), the mean decode step in ms, and that against the
 step's HBM floor: one read of the weights (all GEMM parameters and the LM head, bf16) plus the KV
 cache the step attends to (2 x layers x rows x KV heads x head dim x 2 bytes per cached token, at
 the mean cached length), over the device's peak bandwidth. --shape 1b is the --rl-step model;
@@ -307,7 +308,8 @@ def bench_decode(args, bw):
           f"{args.shape} shape ({weights / 1e9:.2f}B GEMM parameters), bf16, prompts {prompt} + {T} new tokens, "
           f"HBM peak {bw / 1e12:.2f} TB/s; command: python bench/bench_gpu_ops.py --decode --shape {args.shape} "
           f"--rows {args.rows} --new-tokens {T}\n")
-    print("| rows | decode | tokens/s | decode step | HBM floor | x floor | CUDA graphs | host syncs |")
+    print("| rows | decode | tokens/s | decode step | HBM floor | x floor | CUDA graphs (captured in the call) "
+          "| host syncs |")
     print("|---|---|---|---|---|---|---|---|")
     out = []
     g = torch.Generator().manual_seed(0)
@@ -319,7 +321,7 @@ def bench_decode(args, bw):
                         ("graphs", dict(static_decode=True, cuda_graphs=True))):
             eng = MegatronRolloutEngine(role, vocab_size=mc.vocab_size, pad_id=0, max_batch_size=rows, **kw)
             params = SamplingParams(temperature=1.0, max_new_tokens=T)
-            eng.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=8), seed=0)  # warm-up
+            eng.generate(prompts, params, seed=0)  # an RL step before: allocations, kernel choice, captures
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             r = eng.generate(prompts, params, seed=1)
@@ -329,10 +331,11 @@ def bench_decode(args, bw):
             step_ms = r.stats["decode_s"] / max(T - 1, 1) * 1e3
             row = {"op": "decode", "shape": args.shape, "rows": rows, "way": way, "tokens_per_s": tokens / seconds,
                    "decode_step_ms": step_ms, "hbm_floor_ms": floor_ms, "x_floor": step_ms / floor_ms,
-                   "cuda_graphs": r.stats.get("cuda_graphs", 0), "host_syncs": r.stats.get("host_syncs", T - 1)}
+                   "cuda_graphs": r.stats.get("cuda_graphs", 0), "captured": r.stats.get("cuda_graphs_captured", 0),
+                   "host_syncs": r.stats.get("host_syncs", T - 1)}
             out.append(row)
             print(f"| {rows} | {way} | {row['tokens_per_s']:,.0f} | {step_ms:.2f} ms | {floor_ms:.2f} ms | "
-                  f"{row['x_floor']:.1f}x | {row['cuda_graphs']} | {row['host_syncs']} |")
+                  f"{row['x_floor']:.1f}x | {row['cuda_graphs']} ({row['captured']}) | {row['host_syncs']} |")
     return out
 
 
