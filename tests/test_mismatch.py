@@ -151,14 +151,14 @@ def _stage_body(rank, world_size, run_dir):
     even = (torch.arange(n) % 2 == 0)[:, None]
     delta = torch.where(even, delta - (delta * m).sum(1, keepdim=True) / m.sum(1, keepdim=True), delta)
     out = {}
-    for corr in ("none", "tis", "mis"):
+    for corr, fused in (("none", True), ("tis", True), ("mis", True), ("tis", False), ("mis", False)):
         stage.cfg.rl.rollout_correction = corr
         exp = base.rows(list(range(n)))
         groups = stage.score(exp, clock)                        # old log-probs of the current weights
         exp.rollout_logp = exp.old_logp - delta * exp.mask
         metrics = stage.advantages(exp, groups, clock)
-        train = stage._train(stage.actor, exp, stage._policy_loss(), 1, "actor", hidden=cfg.rl.fused_head)
-        out[corr] = dict(metrics=metrics, loss=train["actor/loss"], sampled=base.mask.clone(), delta=delta,
+        train = stage._train(stage.actor, exp, stage._policy_loss(), 1, "actor", hidden=fused)  # False: logits
+        out[corr, fused] = dict(metrics=metrics, loss=train["actor/loss"], sampled=base.mask.clone(), delta=delta,
                          advantages=exp.advantages.clone(), mask=exp.mask.clone())
     return step_metrics, out
 
@@ -178,7 +178,7 @@ def test_metrics_in_a_grpo_step_and_corrections_change_the_loss(tmp_path, monkey
 
     cap, lo, hi = 2.0, 0.99, 1.01                               # the defaults
     losses = {}
-    for corr, o in out.items():
+    for (corr, fused), o in out.items():
         sampled, delta = o["sampled"].tolist(), o["delta"].double().tolist()
         adv = o["advantages"].double().tolist()
         toks = [delta[b][t] for b in range(len(sampled)) for t in range(len(sampled[b])) if sampled[b][t]]
@@ -199,12 +199,13 @@ def test_metrics_in_a_grpo_step_and_corrections_change_the_loss(tmp_path, monkey
                 w = min(math.exp(delta[b][t]), cap) if corr == "tis" else 1.0
                 num -= w * adv[b][t]
                 den += 1
-        assert o["loss"] == pytest.approx(num / den, rel=1e-4, abs=1e-6), corr
-        losses[corr] = o["loss"]
+        assert o["loss"] == pytest.approx(num / den, rel=1e-4, abs=1e-6), (corr, fused)
+        losses[corr, fused] = o["loss"]
         if corr == "mis":
             assert 0 < kept_rows < len(sampled)
             assert got["mismatch/mis_masked_fraction"] == pytest.approx(1 - kept_rows / len(sampled))
             assert o["mask"].sum() == den
         if corr == "tis":
             assert 0 < got["mismatch/ratio_out_fraction"] < 1
-    assert abs(losses["tis"] - losses["none"]) > 1e-3 and abs(losses["mis"] - losses["none"]) > 1e-3, losses
+    none = losses["none", True]
+    assert abs(losses["tis", True] - none) > 1e-3 and abs(losses["mis", True] - none) > 1e-3, losses
