@@ -428,6 +428,7 @@ COMMANDS = {
     "python bench/bench_gpu_ops.py --decode --shape 1b --rows 8,64,256 --new-tokens 256": (Help(),),  # needs CUDA
     "launchers/gpu/first_check.sh": (Script(runs="pytest -q -m gpu"),),  # needs CUDA: its syntax and steps here
     "python bench/bench_step.py --gpu": (Help(),),
+    "python bench/bench_mismatch.py --steps 3 --init-std 0.1": (Help(),),
     "megarl pipeline --config configs/tiny_pipeline.yaml --stages sft train.run_dir=R data.synthetic.sft_mistakes=M":
         (Validate(),),
     "megarl pipeline --config configs/tiny_pipeline.yaml --stages rl train.run_dir=R data.synthetic.sft_mistakes=M "

@@ -64,7 +64,7 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
                     dual_clip: float | None = None, agg: str = "token-mean",
                     entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
                     ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0, kl_kind: str = "k3",
-                    max_len: int | None = None):
+                    max_len: int | None = None, is_weight: torch.Tensor | None = None):
     """PPO clipped surrogate (+ entropy bonus, + KL-to-reference loss term), per token then aggregated.
 
     logp: [B, T] log pi(a_t) under the current parameters (differentiable); old_logp: the
@@ -74,14 +74,16 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     Per token: l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) with r = exp(logp - old_logp)
     (clip_high > clip_low is DAPO's clip-higher); with dual_clip = c > 1 (Ye et al. 2020), tokens
     with A < 0 take min(l, -A c), bounding the loss of a very large ratio. Then
-    l - entropy_coef * H + kl_coef * KL_kind(pi || ref) (GRPO's KL as a loss term).
+    l - entropy_coef * H + kl_coef * KL_kind(pi || ref) (GRPO's KL as a loss term). is_weight:
+    [B, T] constants multiplying the clipped surrogate only (mismatch.tis_weights: the samples'
+    own importance weight; the entropy and KL terms are not estimates under the samples).
     Metrics ([sum, tokens]): loss (with the aggregation's count), pg_loss, clip_fraction (tokens
     where the clipped branch is the active one), dual_clip_fraction, ratio (mean r), approx_kl
     (k3 = r - 1 - log r, estimating KL(old || new) from the old policy's samples), entropy
     (when given), kl_loss (mean unscaled KL estimate to the reference, when ref_logp is given).
     """
     _check_same_shape(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask,
-                      entropy=entropy, ref_logp=ref_logp)
+                      entropy=entropy, ref_logp=ref_logp, is_weight=is_weight)
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"PPO clip ranges must be >= 0; got clip_low={clip_low}, clip_high={clip_high}")
     if dual_clip is not None and dual_clip <= 1.0:
@@ -103,7 +105,8 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     logp, old_logp, entropy, ref_logp = valid(logp), valid(old_logp), valid(entropy), valid(ref_logp)
     per_token, parts = ppo_token_loss(
         logp, old_logp, valid(advantages.detach()), clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-        entropy=entropy, entropy_coef=entropy_coef, ref_logp=ref_logp, kl_coef=kl_coef, kl_kind=kl_kind)
+        entropy=entropy, entropy_coef=entropy_coef, ref_logp=ref_logp, kl_coef=kl_coef, kl_kind=kl_kind,
+        is_weight=valid(is_weight))
     metrics = {"clip_fraction": tok_metric(parts["clipped"])}
     if dual_clip is not None:
         metrics["dual_clip_fraction"] = tok_metric(parts["dual_clipped"])
@@ -122,7 +125,8 @@ def ppo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
 def ppo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
                    clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                    entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
-                   ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0, kl_kind: str = "k3"):
+                   ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0, kl_kind: str = "k3",
+                   is_weight: torch.Tensor | None = None):
     """The per-token loss of `ppo_policy_loss` before aggregation, on valid tokens of any shape
     (no mask: every entry counts, none may be nan). Each token's loss depends on that token's
     log-prob and entropy only, which lets the fused output layer take its gradient chunk by chunk
@@ -141,6 +145,8 @@ def ppo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch
         negative = adv < 0
         parts["dual_clipped"] = negative & (pg > pg_dual)
         pg = torch.where(negative, torch.minimum(pg, pg_dual), pg)
+    if is_weight is not None:
+        pg = pg * is_weight.detach()
     parts["pg"] = pg
     per_token = pg
     if entropy is not None and entropy_coef:

@@ -261,6 +261,15 @@ class RLConfig:
     # the first mini-batch), or the rollout's own (saves that forward; needs top_k 0 and top_p 1,
     # since they are log-probs of the filtered distribution)
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    # the engine's log-probs against the recomputed ones (megarl/algorithms/mismatch.py): every
+    # step logs mismatch/* (with old_logprobs=recompute); corrections of the policy loss: "tis"
+    # weights each token's loss by min(pi_old / pi_rollout, rollout_correction_c), "mis" drops
+    # rows whose geometric-mean ratio leaves [rollout_correction_lo, rollout_correction_hi].
+    # rollout_correction_c also bounds the ratios mismatch/ratio_out_fraction counts ([1/C, C])
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    rollout_correction_c: float = 2.0
+    rollout_correction_lo: float = 0.99
+    rollout_correction_hi: float = 1.01
     # log-probs in scoring and training straight from the hidden states and the output weight,
     # chunked (megarl.ops.head_logprobs): the [tokens, V] logits never exist; false:
     # through the logits (same results within fp32 rounding)

@@ -109,6 +109,14 @@ def _rl_rules(cfg: Config, world_size: int, cuda: bool) -> list[str]:
     if r.old_logprobs == "rollout" and (r.top_k or r.top_p < 1):
         errs.append("rl.old_logprobs=rollout needs rl.top_k=0 and rl.top_p=1 (the rollout's log-probs are of the "
                     "filtered distribution); use rl.old_logprobs=recompute")
+    if r.rollout_correction != "none" and r.old_logprobs == "rollout":
+        errs.append(f"rl.rollout_correction={r.rollout_correction} weighs pi_old / pi_rollout, which "
+                    "rl.old_logprobs=rollout makes 1; use rl.old_logprobs=recompute")
+    if not r.rollout_correction_c > 1:
+        errs.append(f"rl.rollout_correction_c must be > 1, got {r.rollout_correction_c}")
+    if not 0 < r.rollout_correction_lo <= 1 <= r.rollout_correction_hi:
+        errs.append("rl.rollout_correction_lo and _hi need 0 < lo <= 1 <= hi, got "
+                    f"{r.rollout_correction_lo} and {r.rollout_correction_hi}")
     if not (0 < r.clip_low < 1 and r.clip_high > 0):
         errs.append(f"rl.clip_low must be in (0, 1) and rl.clip_high > 0 (got {r.clip_low}, {r.clip_high})")
     if r.dual_clip is not None and r.dual_clip <= 1:

@@ -68,6 +68,7 @@ class Experience:
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    is_weight: torch.Tensor | None = None  # [N, L] fp32: rl.rollout_correction=tis's per-token weights
 
     def microbatch(self, rows: list[int], hidden: bool = False) -> MicroBatch:
         """Rows `rows`, cut to their longest sequence, as a Role micro-batch.
@@ -81,7 +82,7 @@ class Experience:
         idx = torch.tensor(rows)
         first = int(self.prompt_lens[idx].min()) - 1  # earliest column predicting a response token
         data = {"labels": self.labels[idx, first:width], "mask": self.mask[idx, first:width]}
-        for name in ("old_logp", "ref_logp", "values", "advantages", "returns"):
+        for name in ("old_logp", "ref_logp", "values", "advantages", "returns", "is_weight"):
             value = getattr(self, name)
             if value is not None:
                 data[name] = value[idx, first:width]
@@ -422,11 +423,33 @@ class RLStage(Stage):
             if r.overlong == "filter":  # responses cut at max_new_tokens leave the loss
                 exp.mask = mask & exp.stopped[:, None]
                 exp.advantages = exp.advantages * exp.mask
+            if r.old_logprobs == "recompute":  # the engine's log-probs against the trainer's
+                metrics.update(self._rollout_mismatch(exp, mask))
             bad = not (bool(torch.isfinite(exp.scores).all()) and bool(torch.isfinite(exp.advantages).all()))
         waste = padding_waste(exp.lengths, groups)
         metrics.update(dp_means({"train/padding_waste": (waste * len(groups), len(groups))}))
         metrics["finite"] = dp_max(float(bad)) == 0
         return metrics
+
+    def _rollout_mismatch(self, exp: Experience, sampled: torch.Tensor) -> dict:
+        """mismatch/* over the sampled tokens, then rl.rollout_correction: tis sets exp.is_weight,
+        mis takes the rows out of the loss (the critic's too, as rl.overlong=filter does)."""
+        r = self.cfg.rl
+        pairs, abs_max = A.mismatch_metrics(exp.old_logp, exp.rollout_logp, sampled, r.rollout_correction_c)
+        metrics = {f"mismatch/{k}": (v[0], v[1]) for k, v in pairs.items()}
+        if r.rollout_correction == "tis":
+            exp.is_weight = A.tis_weights(exp.old_logp, exp.rollout_logp, exp.mask, r.rollout_correction_c)
+            metrics["mismatch/tis_weight_mean"] = (exp.is_weight.double().sum(), exp.mask.sum())
+        elif r.rollout_correction == "mis":
+            keep = A.mis_keep(exp.old_logp, exp.rollout_logp, exp.mask, r.rollout_correction_lo,
+                              r.rollout_correction_hi)
+            rows = exp.mask.any(1)
+            metrics["mismatch/mis_masked_fraction"] = ((rows & ~keep).sum(), rows.sum())
+            exp.mask = exp.mask & keep[:, None]
+            exp.advantages = exp.advantages * exp.mask
+        out = dp_means(metrics)
+        out["mismatch/logp_abs_diff_max"] = dp_max(float(abs_max))
+        return out
 
     # 4. train ---------------------------------------------------------------------------------
 
@@ -456,21 +479,24 @@ class RLStage(Stage):
             logp, entropy = logprobs(batch, output)
             return A.ppo_policy_loss(
                 logp, batch["old_logp"], batch["advantages"], batch["mask"], agg=r.loss_agg, entropy=entropy,
-                ref_logp=batch.get("ref_logp") if kl_loss else None, max_len=r.max_new_tokens, **clip)
+                ref_logp=batch.get("ref_logp") if kl_loss else None, max_len=r.max_new_tokens,
+                is_weight=batch.get("is_weight"), **clip)
 
         def fused_loss(batch, head):
             """The same loss, its gradient taken inside the output layer (ops.head_token_loss):
             each token's loss depends on its own log-prob and entropy, weighted by the aggregation."""
             mask = batch["mask"]
             labels = batch["labels"].masked_fill(~mask, IGNORE_INDEX)
-            names = ("old_logp", "advantages") + (("ref_logp",) if kl_loss else ())
+            names = ("old_logp", "advantages") + (("ref_logp",) if kl_loss else ()) + (
+                ("is_weight",) if "is_weight" in batch else ())
             flat = {k: batch[k].reshape(-1).float() for k in names}  # [b s'] per-token constants
             flat["weight"] = A.token_weights(mask, r.loss_agg, r.max_new_tokens).reshape(-1)
 
             def token_loss(pos, lp, ent):  # pos [c]: the chunk's tokens; lp, ent [c]
                 per_token, _ = A.ppo_token_loss(
                     lp, flat["old_logp"][pos], flat["advantages"][pos], entropy=ent,
-                    ref_logp=flat["ref_logp"][pos] if kl_loss else None, **clip)
+                    ref_logp=flat["ref_logp"][pos] if kl_loss else None,
+                    is_weight=flat["is_weight"][pos] if "is_weight" in flat else None, **clip)
                 return (per_token * flat["weight"][pos]).sum()
 
             loss_sum, logp, entropy = head_token_loss(head, labels, token_loss, temperature=r.temperature,
@@ -478,7 +504,8 @@ class RLStage(Stage):
             with torch.no_grad():  # the metrics, from the same log-probs
                 _, count, metrics = A.ppo_policy_loss(
                     logp, batch["old_logp"], batch["advantages"], batch["mask"], agg=r.loss_agg, entropy=entropy,
-                    ref_logp=batch.get("ref_logp") if kl_loss else None, max_len=r.max_new_tokens, **clip)
+                    ref_logp=batch.get("ref_logp") if kl_loss else None, max_len=r.max_new_tokens,
+                    is_weight=batch.get("is_weight"), **clip)
             metrics["loss"] = torch.stack([loss_sum.detach().double(), count.double()])
             return loss_sum, count, metrics
 
