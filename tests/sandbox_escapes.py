@@ -10,8 +10,10 @@ bootstrap's hook, as a determined program would, so only the sandbox stands in t
 import json
 import os
 import sys
+import threading
 import uuid
 
+TIMEOUT_S = 8.0  # the wall clock of the escape that times out, time enough for its child to start
 BYPASS = "import os, subprocess, sys, time\nsys.audit = lambda *a: None\n"
 # a setsid'd child that announces itself in /tmp and would sleep for a minute; MARKER (in its
 # argv) lets the test find it among the host's processes after the call
@@ -41,7 +43,7 @@ def escapes(host_dir: str) -> list[tuple[str, str, str, str]]:
          "capture_output=True, text=True)\nprint(r.stdout, end='')\nraise SystemExit(r.stderr.splitlines()[-1])",
          "error", "65534 65534 False False\nerror: OSError: [Errno 101] Network is unreachable"),
         ("setsid child", BYPASS + CHILD, "ok", "<output>child up\n</output>"),
-        ("setsid child, timeout", BYPASS + CHILD + "time.sleep(60)\n", "timeout", "error: timed out after 3s"),
+        ("setsid child, timeout", BYPASS + CHILD + "time.sleep(60)\n", "timeout", f"error: timed out after {TIMEOUT_S:g}s"),
     ]
 
 
@@ -59,17 +61,32 @@ def pids_with(marker: str) -> list[int]:
 
 
 def observe(host_dir: str) -> list[dict]:
-    """Each escape through one PythonTool; `survivors`: its processes still alive after the call."""
+    """Each escape through a PythonTool: `survivors`, its processes still alive after the call;
+    `seen`, whether its marked child was alive during the call (so that the check means something).
+    The wall clocks are generous: the programs end by themselves, but the CI machine may be busy."""
     from megarl.rollout.tools import PythonTool
 
-    tool = PythonTool(timeout_s=3.0, max_output_chars=400, memory_mb=256)
+    tool, slow = PythonTool(timeout_s=30.0, max_output_chars=400), PythonTool(timeout_s=TIMEOUT_S, max_output_chars=400)
     out = []
-    for name, code, _, _ in escapes(host_dir):
+    for name, code, status, _ in escapes(host_dir):
         marker = f"megarl-escape-{uuid.uuid4().hex}"
-        r = tool.call(code.replace("MARKER", marker))
+        seen, done = [], threading.Event()
+        watcher = threading.Thread(target=lambda: seen.append(_wait_for(marker, done)), daemon=True)
+        watcher.start()
+        r = (slow if status == "timeout" else tool).call(code.replace("MARKER", marker))
+        done.set()
+        watcher.join()
         out.append({"name": name, "status": r.status, "text": r.text, "survivors": pids_with(marker),
-                    "caller_uid": os.getuid()})
+                    "seen": seen[0], "caller_uid": os.getuid()})
     return out
+
+
+def _wait_for(marker: str, done: threading.Event) -> bool:
+    while not done.is_set():
+        if pids_with(marker):
+            return True
+        done.wait(0.05)
+    return False
 
 
 if __name__ == "__main__":

@@ -160,19 +160,21 @@ def _stop(proc: subprocess.Popen, info_r: int) -> None:
     try:
         found = re.search(rb'"child-pid"\s*:\s*(\d+)', os.read(info_r, 4096))
         pidfd = os.pidfd_open(int(found[1])) if found else None
-    except (BlockingIOError, ProcessLookupError):  # no sandbox started, or it has ended
+    except OSError:  # no sandbox started, it has ended, or no pidfd (Linux < 5.3): bwrap's kill below
         pidfd = None
     if pidfd is not None:
         try:
             if proc.poll() is None:
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            select.select([pidfd], [], [], 30)  # readable once it has ended
+            ended = select.poll()
+            ended.register(pidfd, select.POLLIN)
+            ended.poll(30_000)  # readable once it has ended
         finally:
             os.close(pidfd)
     try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # bwrap itself hangs
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10 if pidfd is not None else 0)
+    except subprocess.TimeoutExpired:  # bwrap itself hangs, or there was no pidfd to kill through
+        os.killpg(proc.pid, signal.SIGKILL)  # --die-with-parent then ends the namespace
         proc.wait()
 
 
