@@ -43,7 +43,8 @@ def escapes(host_dir: str) -> list[tuple[str, str, str, str]]:
          "capture_output=True, text=True)\nprint(r.stdout, end='')\nraise SystemExit(r.stderr.splitlines()[-1])",
          "error", "65534 65534 False False\nerror: OSError: [Errno 101] Network is unreachable"),
         ("setsid child", BYPASS + CHILD, "ok", "<output>child up\n</output>"),
-        ("setsid child, timeout", BYPASS + CHILD + "time.sleep(60)\n", "timeout", f"error: timed out after {TIMEOUT_S:g}s"),
+        ("setsid child, timeout", BYPASS + CHILD + "time.sleep(60)\n", "timeout",
+         f"error: timed out after {TIMEOUT_S:g}s"),
     ]
 
 

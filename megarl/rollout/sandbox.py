@@ -39,7 +39,7 @@ _LIB_DIRS = ("/usr/lib", "/usr/lib64", "/usr/lib32", "/lib", "/lib64", "/lib32")
 
 # Runs first in the sandbox, before the program: it leaves root when bwrap ran as root, sets the
 # resource limits, and installs an audit hook that refuses new processes, ctypes and sockets with a
-# readable message (the namespaces above are the boundary; the hook only names what is refused).
+# readable message (the namespaces are the boundary; the hook only names what is refused).
 _BOOTSTRAP = r"""
 import os, resource, sys
 nobody, cpu, mem, out = (int(a) for a in sys.argv[1:5])
@@ -102,11 +102,11 @@ def _mounts() -> tuple[str, list[str]]:
     return exe, args
 
 
-def command(code_fd: int, info_fd: int, limits: list[str]) -> list[str]:
+def _command(code_fd: int, info_fd: int, limits: list[str]) -> list[str]:
     """The bwrap command line that runs the bootstrap on the program read from `code_fd`."""
     exe, mounts = _mounts()
-    cmd = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net", "--unshare-ipc",
-           "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
+    cmd = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net",
+           "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
     if os.geteuid() == 0:
         cmd += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
@@ -129,7 +129,7 @@ def run(code: str, *, timeout_s: float, cpu_s: int, memory_bytes: int, file_byte
         info_r, info_w = os.pipe()
         try:
             with open(src_path, "rb") as src, open(out_path, "wb") as out, open(err_path, "wb") as err:
-                proc = subprocess.Popen(command(src.fileno(), info_w, limits), stdin=subprocess.DEVNULL, stdout=out,
+                proc = subprocess.Popen(_command(src.fileno(), info_w, limits), stdin=subprocess.DEVNULL, stdout=out,
                                         stderr=err, env={}, pass_fds=(src.fileno(), info_w), start_new_session=True)
                 os.close(info_w)
                 info_w = -1
@@ -204,8 +204,9 @@ def unavailable() -> str | None:
                            memory_bytes=256 << 20, file_bytes=1 << 16, read_bytes=256)
     if status == 0 and out.split() == [str(NOBODY)] * 2:
         return None
-    last = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip()), f"exit status {status}")
+    last = next((ln.strip() for ln in reversed(err.splitlines()) if ln.strip()),
+                "no answer in 30 s" if status is None else f"exit status {status}, output {out.strip()!r}")
     need = ("as root it needs CAP_SYS_ADMIN (a privileged container), or run megarl as another user"
             if os.geteuid() == 0 else "it needs unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone"
-            "=1, user.max_user_namespaces > 0, or an AppArmor profile that allows bwrap them)")
+            "=1, user.max_user_namespaces > 0, and where AppArmor restricts them, a profile that lets bwrap)")
     return f"the python tool's sandbox does not start here: {last}; {need}"
