@@ -4,6 +4,7 @@
 # `source .venv/bin/activate` then makes `megarl` available in a shell (launchers/local/venv.sh).
 #   launchers/local/setup.sh            # runtime + test tools
 #   EXTRAS=dev,dali launchers/local/setup.sh
+# It also installs bubblewrap with apt where it can (launchers/local/bubblewrap.sh).
 # torch is installed first and pinned (2.13.0 on Python 3.11, the release megatron-core 0.16
 # supports) so that resolving megatron-core never swaps a local CPU build for the multi-GB CUDA
 # wheel. On a CPU machine without a local wheel, add --index-url https://download.pytorch.org/whl/cpu.
@@ -22,6 +23,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch>=2.6"
   fi
 fi
+launchers/local/bubblewrap.sh || echo "setup: without bubblewrap the python tool (rl.python_tool) is refused; the rest of megarl works"
 # No build isolation: csrc/build.py needs the installed (CUDA) torch to build the kernels.
 "$PY" -m pip install -q --no-build-isolation -e ".[${EXTRAS}]"
 "$PY" -W ignore -c "import megarl, megatron.core, torch; print(f'megarl {megarl.__version__} | torch {torch.__version__} | megatron-core {megatron.core.__version__}')"

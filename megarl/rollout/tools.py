@@ -16,22 +16,19 @@ step goes on. Outputs are capped at `max_output_chars`.
 `calculator` evaluates + - * / // % ** and parentheses on int/float literals by walking Python's
 `ast` (never eval), with bounded input length, literal sizes, exponents and result sizes, so that
 hostile input (`9**9**9`, deep nesting, names, attributes, `__import__`) is refused in well under a
-millisecond. `python` (opt-in) runs code in a fresh interpreter: see PythonTool.
+millisecond. `python` (opt-in) runs code in a fresh interpreter in a bubblewrap sandbox: see PythonTool
+and sandbox.py.
 """
 from __future__ import annotations
 
 import ast
 import math
 import operator
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from megarl.rollout import sandbox
 from megarl.utils.imports import import_user_module
 
 __all__ = ["Tool", "ToolResult", "Toolbox", "Calculator", "PythonTool", "FunctionTool", "calculate",
@@ -192,61 +189,25 @@ class Calculator(Tool):
 
 # ------------------------------------------------------------------ python (opt-in)
 
-# Runs first in the child, before the model's code: its own resource limits, then an audit hook
-# refusing new processes, native code loading and sockets (the network, when `unshare -n` is not
-# available). Audit hooks are not a security boundary against deliberately hostile code; run the
-# trainer in a container for that.
-_BOOTSTRAP = r"""
-import resource, sys
-cpu, mem, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-for lim, v in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_FSIZE, out),
-               (resource.RLIMIT_NPROC, 64), (resource.RLIMIT_CORE, 0)):
-    try:
-        resource.setrlimit(lim, (v, v))
-    except (ValueError, OSError):
-        pass
-_DENY = ("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system", "os.kill", "os.killpg",
-         "subprocess.Popen", "pty.spawn", "ctypes.", "socket.", "os.setrlimit", "resource.setrlimit")
-def _hook(event, args, _deny=_DENY):
-    if event.startswith(_deny):
-        raise PermissionError(f"{event} is not allowed in the python tool")
-    if event == "import" and args and args[0] in ("_ctypes", "ctypes"):
-        raise PermissionError(f"import {args[0]} is not allowed in the python tool")
-sys.addaudithook(_hook)
-del _hook, resource
-with open("main.py") as f:
-    src = f.read()
-exec(compile(src, "main.py", "exec"), {"__name__": "__main__"})
-"""
-
-
-def _unshare_works() -> bool:
-    """`unshare -n` (a new network namespace with no interfaces) is usable: root, and allowed here."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return False
-    try:
-        return subprocess.run(["unshare", "-n", "true"], capture_output=True, timeout=5).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
 class PythonTool(Tool):
     """Runs the argument as a Python program in a fresh interpreter (`python -I -S`, stdlib only,
-    empty environment) in a temporary directory, with: RLIMIT_CPU (the timeout + 1 s), RLIMIT_AS
-    (`memory_mb`), RLIMIT_FSIZE (stdout/stderr go to files, capped), a wall-clock kill of the process
-    group, no new processes and no network. The network is cut by `unshare -n` where that works
-    (root), else by the audit hook that refuses sockets. The observation is stdout, then
-    `error: <last stderr line>` when the program failed."""
+    empty environment) inside the sandbox of `megarl/rollout/sandbox.py`: uid 65534, its own PID,
+    mount, network, IPC and UTS namespaces, only /tmp writable; RLIMIT_CPU (the timeout + 1 s),
+    RLIMIT_AS (`memory_mb`), RLIMIT_FSIZE (stdout/stderr go to files, capped) and a wall clock.
+    The observation is stdout, then `error: <last stderr line>` when the program failed.
+    ValueError, one line, where the sandbox cannot run: there is no unsandboxed fallback."""
 
     name, call_open, call_close, result_open, result_close = "python", "<python>", "</python>", "<output>", "</output>"
 
     def __init__(self, *, timeout_s: float = 5.0, max_output_chars: int = 256, memory_mb: int = 512):
         super().__init__(timeout_s=timeout_s, max_output_chars=max_output_chars)
         self.memory_mb = int(memory_mb)
-        self.network_isolation = "unshare -n" if _unshare_works() else "audit hook"
+        reason = sandbox.unavailable()
+        if reason:
+            raise ValueError(reason)
 
     def call(self, argument: str) -> ToolResult:
-        try:  # the subprocess has its own wall clock: no thread needed
+        try:  # the sandbox has its own wall clock: no thread needed
             return ToolResult(self.observation(self.run(argument)), OK)
         except _Timeout as e:
             return ToolResult(self.observation(f"error: {e}"), TIMEOUT)
@@ -261,32 +222,15 @@ class PythonTool(Tool):
 
     def run(self, argument: str) -> str:
         cap_bytes = 4 * self.max_output_chars + 64  # what is read back of stdout
-        file_bytes = cap_bytes + (64 << 10)  # RLIMIT_FSIZE: room for a traceback's last line
-        with tempfile.TemporaryDirectory(prefix="megarl-python-tool-") as work:
-            with open(os.path.join(work, "main.py"), "w") as f:
-                f.write(argument)
-            cmd = [sys.executable, "-I", "-S", "-c", _BOOTSTRAP, str(math.ceil(self.timeout_s) + 1),
-                   str(self.memory_mb << 20), str(file_bytes)]
-            if self.network_isolation == "unshare -n":
-                cmd = ["unshare", "-n", "--"] + cmd
-            with open(os.path.join(work, "stdout"), "wb") as out, open(os.path.join(work, "stderr"), "wb") as err:
-                proc = subprocess.Popen(cmd, cwd=work, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                        env={}, start_new_session=True)
-                try:
-                    code = proc.wait(timeout=self.timeout_s)
-                except subprocess.TimeoutExpired:
-                    _kill_group(proc)
-                    raise _Timeout(f"timed out after {self.timeout_s:g}s") from None
-                finally:
-                    _kill_group(proc)  # anything left in the session
-            stdout = _read_head(os.path.join(work, "stdout"), cap_bytes)
-            with open(os.path.join(work, "stderr"), "rb") as f:
-                f.seek(max(0, os.fstat(f.fileno()).st_size - 1024))
-                stderr = f.read().decode("utf-8", errors="replace")
+        code, stdout, stderr = sandbox.run(argument, timeout_s=self.timeout_s, cpu_s=math.ceil(self.timeout_s) + 1,
+                                           memory_bytes=self.memory_mb << 20, read_bytes=cap_bytes,
+                                           file_bytes=cap_bytes + (64 << 10))  # room for a traceback's last line
+        if code is None:
+            raise _Timeout(f"timed out after {self.timeout_s:g}s")
         if code != 0:
             last = next((ln for ln in reversed(stderr.splitlines()) if ln.strip()), "").strip()
-            if code < 0 and not last:
-                last = f"killed by signal {-code} (CPU time, memory or output limit)"
+            if code > 128 and not last:  # bwrap's status for a program killed by a signal
+                last = f"killed by signal {code - 128} (CPU time, memory or output limit)"
             raise _ProgramFailed(stdout, last or f"exit status {code}")
         return stdout
 
@@ -297,21 +241,6 @@ class _ProgramFailed(ToolError):
     def __init__(self, stdout: str, last: str):
         super().__init__(last)
         self.stdout = stdout
-
-
-def _read_head(path: str, n: int) -> str:
-    with open(path, "rb") as f:
-        return f.read(n).decode("utf-8", errors="replace")
-
-
-def _kill_group(proc) -> None:
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
 
 
 # ------------------------------------------------------------------ user tools

@@ -185,7 +185,7 @@ def preflight(cfg: Config, stage: str | None) -> list[str]:
     stage = STAGE_ALIASES.get(stage, stage)
     errs = _run_dir_errors(cfg.train.run_dir) + _tokenizer_errors(cfg)
     if stage in ("rl", "eval"):
-        errs += _reward_fn_errors(cfg, stage)
+        errs += _reward_fn_errors(cfg, stage) + tool_errors(cfg)
     if stage == "eval":  # its held-out prompts; the checkpoint is named on the command line
         return errs + _data_errors(cfg, "rl", ("eval_prompts_path",), 0, "")
     if stage not in (None, "sft", "reward_model", "rl"):
@@ -275,6 +275,17 @@ def _data_errors(cfg: Config, section: str, keys: tuple, batch: int, batch_key: 
     if n is not None and n < batch:
         errs.append(f"{section}.{keys[0]}: {train} has {n} records, fewer than one batch ({batch_key}={batch})")
     return errs
+
+
+def tool_errors(cfg: Config) -> list[str]:
+    """The python tool where its sandbox cannot run (bwrap missing, namespaces refused): one line
+    before any role loads, never a fallback to running model-written code unsandboxed."""
+    if not (cfg.rl.python_tool and "python" in cfg.rl.tools):
+        return []
+    from megarl.rollout.sandbox import unavailable
+
+    reason = unavailable()
+    return [f"rl.tools has python: {reason}"] if reason else []
 
 
 def _reward_fn_errors(cfg: Config, stage: str) -> list[str]:

@@ -79,12 +79,16 @@ def check_stages(configs: dict[str, Config], world_size: int, stages=STAGES, whe
     """`megarl validate`'s rules for each given stage, before any of them runs; the message names
     the stage: "<config> (stage rm): invalid config: ..."."""
     from megarl.config import validate_config
+    from megarl.trainers.data_setup import tool_errors
 
     for stage in (s for s in STAGES if s in stages):
         try:
             validate_config(configs[stage], world_size, stage="rl" if stage == "rl" else None)
         except ConfigError as e:
             raise ConfigError(f"{where} (stage {stage}): {e}") from None
+        errs = tool_errors(configs[stage]) if stage == "rl" else []
+        if errs:  # the python tool's sandbox, before the first stage loads a role
+            raise ConfigError(f"{where} (stage {stage}): {errs[0]}")
 
 
 def _check_shared(configs: dict) -> None:
