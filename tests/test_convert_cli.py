@@ -60,9 +60,7 @@ def test_sft_starts_from_imported_weights_and_exports(tmp_path, hf_llama):
 
 
 def test_reward_model_backbone_from_hf_directory(tmp_path, hf_llama):
-    model = [o for o in TINY if not o.startswith("model.")] + [
-        "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
-        "model.num_kv_heads=2", "model.max_position_embeddings=256", f"model.init_from={hf_llama}"]
+    model = [o for o in TINY if not o.startswith("model.")] + [f"model.from_hf={hf_llama}", f"model.init_from={hf_llama}"]
     out = megarl(["rm", "--config", "configs/tiny_rm.yaml", f"train.run_dir={tmp_path}", *model, "train.steps=2",
                   "train.eval_interval=0", "reward_model.init_from=null"])
     assert f"reward model backbone initialised from {hf_llama}" in out.stdout

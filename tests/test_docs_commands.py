@@ -273,7 +273,7 @@ class Validate:
         err = capsys.readouterr().err
         if rc != 0 and self.absent_inputs:
             lines = [ln.strip() for ln in err.replace("megarl: error: cannot start:", "").splitlines() if ln.strip()]
-            missing = [re.match(r"(megarl: error: )?[\w.]+: (/\S+) does not exist$", ln) for ln in lines]
+            missing = [re.match(r"(megarl: error: )?[\w.]+: (/\S+) does not exist( \(.*\))?$", ln) for ln in lines]
             if lines and all(m and not os.path.exists(m[2]) for m in missing):
                 return
         assert rc == 0, f"megarl {shlex.join(args)}: exit {rc}\n{err}"

@@ -1,0 +1,180 @@
+"""Bringing your own Hugging Face model: `model.from_hf` takes the model section from config.json,
+and pre-flight compares every field that changes the maths with the weights' config.json. A tiny
+Qwen2 with a tokenizer of its own (hf_fixtures.py) stands for the user's model; transformers is
+the reference for what its config.json means."""
+import json
+import textwrap
+
+import pytest
+
+from megarl.config import ConfigError, load_config
+from megarl.config.shipped import SHIPPED_DIR
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from hf_fixtures import save_qwen2
+
+    return save_qwen2(tmp_path_factory.mktemp("hf") / "qwen")
+
+
+def _write(tmp_path, text, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+# --------------------------------------------------------------------------- model.from_hf
+
+
+def test_from_hf_takes_the_model_section_from_config_json(qwen):
+    """Over tiny_grpo's own (byte-level, 4-layer) model fields: every field is the checkpoint's,
+    as transformers reads its config.json."""
+    ref = transformers.AutoConfig.from_pretrained(qwen)
+    m = load_config("configs/tiny_grpo.yaml", [f"model.from_hf={qwen}"]).model
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_kv_heads, m.vocab_size,
+            m.max_position_embeddings, m.norm_eps, m.tie_embeddings) == (
+        ref.num_hidden_layers, ref.hidden_size, ref.intermediate_size, ref.num_attention_heads,
+        ref.num_key_value_heads, ref.vocab_size, ref.max_position_embeddings, ref.rms_norm_eps, ref.tie_word_embeddings)
+    theta = ref.rope_parameters["rope_theta"] if hasattr(ref, "rope_parameters") else ref.rope_theta
+    assert m.rotary_base == theta == 100000 and m.rope_scaling_factor is None
+    assert m.qkv_bias and not m.qk_norm  # Qwen2's q/k/v projections carry a bias
+    assert m.from_hf == str(qwen) and m.init_from is None
+
+
+@pytest.mark.parametrize("how", ["file", "override", "override before from_hf"])
+def test_a_field_given_beside_from_hf_must_agree(qwen, tmp_path, how):
+    if how == "file":
+        path, overrides = _write(tmp_path, f"""
+            extends: {SHIPPED_DIR}/tiny_sft.yaml
+            model: {{from_hf: {qwen}, rotary_base: 10000, num_layers: 2}}
+        """), []
+    elif how == "override":
+        path, overrides = _write(tmp_path, f"model: {{from_hf: {qwen}}}\n"), ["model.rotary_base=10000"]
+    else:  # applied in either order: the override is not cleared by the from_hf after it
+        path, overrides = "configs/tiny_sft.yaml", ["model.rotary_base=10000", f"model.from_hf={qwen}"]
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert f"model.from_hf: {qwen}/config.json has model.rotary_base=100000.0 (config: 10000.0);" in msg, msg
+    assert "num_layers" not in msg  # the fields that agree are not named
+
+
+def test_fields_that_agree_and_role_sections(qwen, tmp_path):
+    path = _write(tmp_path, f"""
+        model: {{from_hf: {qwen}, num_layers: 2, rotary_base: 100000, norm_eps: 1.0e-6, qkv_bias: true}}
+        roles: {{actor: {{model: {{transformer_impl: local}}}}}}
+    """)
+    cfg = load_config(path)
+    assert cfg.model.vocab_size == 320 and cfg.roles.actor.model.vocab_size == 320
+    assert cfg.roles.actor.model.transformer_impl == "local" and cfg.roles.actor.model.rotary_base == 100000
+    # a role section inherits from_hf: a field of its own that changes the maths is named with its key
+    with pytest.raises(ConfigError, match=r"roles\.critic\.model\.from_hf: .* has roles\.critic\.model\."
+                                          r"num_layers=2 \(config: 1\); .*roles\.critic\.model\.from_hf: null"):
+        load_config(path, ["roles.critic.model.num_layers=1"])
+
+
+def test_from_hf_not_on_this_machine_keeps_the_fields_as_written():
+    """A login node without /models: the recipe's fields are validated as written, and pre-flight
+    names the directory (the only error `megarl validate` gives there for it)."""
+    from megarl.config import check_config
+    from megarl.trainers.data_setup import preflight
+
+    cfg = load_config("configs/llama31_8b_grpo.yaml")
+    assert cfg.model.from_hf == "/models/Llama-3.1-8B-Instruct" and cfg.model.num_layers == 32
+    assert check_config(cfg, world_size=8, cuda=True, stage="rl") == []
+    assert "model.from_hf: /models/Llama-3.1-8B-Instruct does not exist (the model fields as written were checked)" \
+        in preflight(cfg, "rl")
+
+
+# The published config.json files of the shipped recipes' models (transformers 4 keys).
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256}
+QWEN25_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+    "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+    "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 152064}
+
+
+def _recipes_with_models(tmp_path, llama=LLAMA31_8B, qwen=QWEN25_7B):
+    """The shipped 8B/7B recipes with /models/... under tmp_path, each holding its config.json."""
+    for name, config in (("Llama-3.1-8B-Instruct", llama), ("Qwen2.5-7B-Instruct", qwen)):
+        (tmp_path / "models" / name).mkdir(parents=True)
+        (tmp_path / "models" / name / "config.json").write_text(json.dumps(config))
+    for f in ("llama31_8b_grpo", "llama31_8b_grpo_fp8", "llama31_8b_gsm8k_tools", "qwen25_7b_grpo",
+              "qwen25_7b_grpo_fp8"):
+        src = open(f"{SHIPPED_DIR}/{f}.yaml").read().replace("/models/", f"{tmp_path}/models/")
+        (tmp_path / f"{f}.yaml").write_text(src)
+    return tmp_path
+
+
+@pytest.mark.parametrize("recipe", ["llama31_8b_grpo", "llama31_8b_grpo_fp8", "llama31_8b_gsm8k_tools",
+                                    "qwen25_7b_grpo", "qwen25_7b_grpo_fp8"])
+def test_shipped_recipes_agree_with_their_models_config_json(tmp_path, recipe):
+    """Where /models is present, every model field a recipe writes is checked against the real
+    config.json; the fields equal those of a recipe without from_hf (what validate checks offline)."""
+    from megarl.config import check_config
+    from megarl.config.fp8 import TARGETS
+
+    d = _recipes_with_models(tmp_path)
+    cfg = load_config(str(d / f"{recipe}.yaml"))
+    offline = load_config(f"configs/{recipe}.yaml").model
+    assert {k: v for k, v in vars(cfg.model).items() if k not in ("from_hf", "init_from")} == \
+        {k: v for k, v in vars(offline).items() if k not in ("from_hf", "init_from")}
+    assert check_config(cfg, world_size=8, stage="rl", device=TARGETS["h100"]) == []
+
+
+def test_a_recipe_that_disagrees_with_config_json_is_named(tmp_path):
+    d = _recipes_with_models(tmp_path, llama={**LLAMA31_8B, "rope_theta": 10000.0, "rms_norm_eps": 1e-6})
+    with pytest.raises(ConfigError) as e:
+        load_config(str(d / "llama31_8b_grpo_fp8.yaml"))
+    assert "model.rotary_base=10000.0 (config: 500000.0), model.norm_eps=1e-06 (config: 1e-05)" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- pre-flight
+
+
+SHAPE = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
+         "model.num_kv_heads=2", "model.vocab_size=320", "model.max_position_embeddings=256", "model.rotary_base=100000",
+         "model.norm_eps=1e-6", "model.qkv_bias=true", "model.tie_embeddings=false"]
+
+
+@pytest.mark.parametrize("wrong,named", [
+    ("model.rotary_base=10000", "model.rotary_base=100000.0 (config: 10000.0)"),
+    ("model.norm_eps=1e-5", "model.norm_eps=1e-06 (config: 1e-05)"),
+    ("model.rope_scaling_factor=8.0", "model.rope_scaling_factor=None (config: 8.0)"),
+    ("model.max_position_embeddings=512", "model.max_position_embeddings=256 (config: 512)"),
+    ("model.tie_embeddings=true", "model.tie_embeddings=False (config: True)"),
+    ("model.qkv_bias=false", "model.qkv_bias=True (config: False)"),
+])
+@pytest.mark.parametrize("stage", ["sft", "rl"])
+def test_preflight_names_each_field_that_changes_the_maths(qwen, tmp_path, capsys, wrong, named, stage):
+    """Shapes alone let a wrong rotary_base (10000 against the checkpoint's 100000) load, with
+    logits off by up to 10: every such field is compared before a tensor is read."""
+    from megarl.cli.main import main
+
+    key = "model.init_from" if stage == "sft" else "roles.actor.init_from"
+    rc = main(["validate", "--config", f"configs/tiny_{'sft' if stage == 'sft' else 'grpo'}.yaml", "--stage", stage,
+               f"train.run_dir={tmp_path}", *SHAPE, wrong, f"{key}={qwen}"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.strip().splitlines() == [
+        f"megarl: error: {key}: {qwen}: the saved model does not match the configured one: {named}; "
+        f"use the model section it was saved with (model.from_hf: {qwen} reads it)"], err
+    # the same model section, right: no error
+    assert main(["validate", "--config", "configs/tiny_sft.yaml", "--stage", "sft", f"train.run_dir={tmp_path}",
+                 *SHAPE, f"model.init_from={qwen}"]) == 0
