@@ -1,14 +1,17 @@
 """Bringing your own Hugging Face model: `model.from_hf` takes the model section from config.json,
-and pre-flight compares every field that changes the maths with the weights' config.json. A tiny
-Qwen2 with a tokenizer of its own (hf_fixtures.py) stands for the user's model; transformers is
-the reference for what its config.json means."""
+pre-flight compares every field that changes the maths with the weights' config.json, the
+importer keeps the tokenizer for the export, and the README's path from an HF directory to an
+RL run (and back) runs as written. A tiny Qwen2 with a tokenizer of its own (hf_fixtures.py)
+stands for the user's model; transformers is the reference for what its config.json means."""
 import json
+import shutil
 import textwrap
 
 import pytest
 
 from megarl.config import ConfigError, load_config
 from megarl.config.shipped import SHIPPED_DIR
+from megarl_run import megarl
 
 transformers = pytest.importorskip("transformers")
 
@@ -178,3 +181,80 @@ def test_preflight_names_each_field_that_changes_the_maths(qwen, tmp_path, capsy
     # the same model section, right: no error
     assert main(["validate", "--config", "configs/tiny_sft.yaml", "--stage", "sft", f"train.run_dir={tmp_path}",
                  *SHAPE, f"model.init_from={qwen}"]) == 0
+
+
+# --------------------------------------------------------------------------- the tokenizer through convert
+
+
+def test_import_keeps_the_tokenizer_and_its_export_writes_it(qwen, tmp_path):
+    """hf-to-megarl copies the tokenizer into the checkpoint, so megarl-to-hf without --tokenizer
+    writes the model's own tokenizer (not megarl's byte one), even once the HF directory is gone."""
+    src = tmp_path / "src"
+    shutil.copytree(qwen, src)
+    ref = transformers.AutoTokenizer.from_pretrained(src)
+    text = "What is 17 + 25? The answer is 42."
+    ids = ref.encode(text, add_special_tokens=False)
+    megarl(["convert", "hf-to-megarl", "--hf", str(src), "--out", str(tmp_path / "ck")])
+    assert (tmp_path / "ck" / "tokenizer" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    shutil.rmtree(src)
+    out = tmp_path / "back"
+    megarl(["convert", "megarl-to-hf", "--checkpoint", str(tmp_path / "ck"), "--out", str(out), "--arch", "qwen2"])
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.encode(text, add_special_tokens=False) == ids
+    assert tok.eos_token == "<|im_end|>" and tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False) == ref.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False)
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == ref.eos_token_id == 2 and config["bos_token_id"] is None
+    # the recorded copy gone: refused, naming the flag, nothing written
+    shutil.rmtree(tmp_path / "ck" / "tokenizer")
+    res = megarl(["convert", "megarl-to-hf", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "o"),
+                  "--arch", "qwen2"], check=False)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "tokenizer.path" in res.stderr and "does not exist; pass --tokenizer DIR" in res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_export_of_an_import_without_a_tokenizer_names_the_flag(tmp_path):
+    from hf_fixtures import save_qwen2
+
+    src = save_qwen2(tmp_path / "bare", tokenizer=False)
+    megarl(["convert", "hf-to-megarl", "--hf", str(src), "--out", str(tmp_path / "ck")])
+    out = megarl(["convert", "megarl-to-hf", "--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "o"),
+                  "--arch", "qwen2"], check=False)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no tokenizer recorded" in lines[0] and "pass --tokenizer DIR" in lines[0], lines
+    assert not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------- the README's path
+
+
+def test_readme_path_from_an_hf_directory_to_rl_and_back(tmp_path):
+    """The README's "Your own Hugging Face model" commands as written (test_docs_commands.py's
+    placeholders and tiny step counts): GRPO starts from the HF weights with the model's own
+    tokenizer, and the export is the same model with the same tokenizer."""
+    from safetensors.torch import load_file
+
+    import test_docs_commands as docs
+
+    text = (docs.REPO / "README.md").read_text().split("## Your own Hugging Face model", 1)[1].split("\n## ", 1)[0]
+    commands = [cmd for lang, first, lines in docs.code_blocks(text) if lang in docs.SHELL_LANGS
+                for _, cmd in docs.block_commands(lines, first)]
+    assert [c.split()[:2] for c in commands] == [["megarl", "rl"], ["megarl", "convert"]]
+    (tmp_path / "configs").symlink_to(docs.REPO / "configs")
+    docs._hf_qwen2(tmp_path)
+    for cmd in commands:
+        run = docs.COMMANDS[cmd][0]
+        argv = docs.concrete(cmd) + list(run.extra)
+        out = docs.execute(argv, tmp_path)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, (argv, out.stdout[-2000:], out.stderr[-2000:])
+        assert run.prints in out.stdout + out.stderr
+    src, back = tmp_path / "models" / "Qwen2-0.5B", tmp_path / "runs" / "qwen2_grpo" / "hf"
+    a, b = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
+    assert a.keys() == b.keys()
+    moved = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert moved < 1e-2, f"the run did not start from the HF weights (max change {moved})"
+    assert (back / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    assert json.loads((back / "config.json").read_text())["eos_token_id"] == 2
