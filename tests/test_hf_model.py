@@ -166,8 +166,8 @@ SHAPE = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=12
 ])
 @pytest.mark.parametrize("stage", ["sft", "rl"])
 def test_preflight_names_each_field_that_changes_the_maths(qwen, tmp_path, capsys, wrong, named, stage):
-    """Shapes alone let a wrong rotary_base (10000 against the checkpoint's 100000) load, with
-    logits off by up to 10: every such field is compared before a tensor is read."""
+    """Shapes alone let a wrong rotary_base (10000 against the checkpoint's 100000) load with
+    wrong logits: every field that changes the maths is compared before a tensor is read."""
     from megarl.cli.main import main
 
     key = "model.init_from" if stage == "sft" else "roles.actor.init_from"
