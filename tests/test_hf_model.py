@@ -45,6 +45,11 @@ def test_from_hf_takes_the_model_section_from_config_json(qwen):
     assert m.rotary_base == theta == 100000 and m.rope_scaling_factor is None
     assert m.qkv_bias and not m.qk_norm  # Qwen2's q/k/v projections carry a bias
     assert m.from_hf == str(qwen) and m.init_from is None
+    # `megarl pipeline` (and megarl.Pipeline) reads it alike, in every stage
+    from megarl.trainers.pipeline import load_pipeline_config
+
+    stages = load_pipeline_config("configs/tiny_pipeline.yaml", [f"model.from_hf={qwen}"])
+    assert all(c.model == m for c in stages.values())
 
 
 @pytest.mark.parametrize("how", ["file", "override", "override before from_hf"])
@@ -91,6 +96,14 @@ def test_from_hf_not_on_this_machine_keeps_the_fields_as_written():
     assert check_config(cfg, world_size=8, cuda=True, stage="rl") == []
     assert "model.from_hf: /models/Llama-3.1-8B-Instruct does not exist (the model fields as written were checked)" \
         in preflight(cfg, "rl")
+
+
+def test_from_hf_at_a_directory_that_is_not_a_model_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=rf"^config: model\.from_hf: {tmp_path}/config\.json: not found$"):
+        load_config(None, [f"model.from_hf={tmp_path}"])
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match=r"^config: model\.from_hf: .*config\.json: unsupported architectures"):
+        load_config(None, [f"model.from_hf={tmp_path}"])
 
 
 # The published config.json files of the shipped recipes' models (transformers 4 keys).
