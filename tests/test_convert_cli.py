@@ -35,7 +35,7 @@ def test_hf_to_megarl_to_hf_is_bit_exact(tmp_path, hf_llama):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text((tmp_path / "ckpt" / "config.yaml").read_text())
     megarl(["convert", "megarl-to-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back"),
-            "--arch", "llama", "--config", str(cfg)])
+            "--arch", "llama", "--config", str(cfg), "tokenizer.kind=byte"])  # hf_llama has no tokenizer
     a, b = _tensors(hf_llama), _tensors(tmp_path / "back")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -60,9 +60,7 @@ def test_sft_starts_from_imported_weights_and_exports(tmp_path, hf_llama):
 
 
 def test_reward_model_backbone_from_hf_directory(tmp_path, hf_llama):
-    model = [o for o in TINY if not o.startswith("model.")] + [
-        "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
-        "model.num_kv_heads=2", "model.max_position_embeddings=256", f"model.init_from={hf_llama}"]
+    model = [o for o in TINY if not o.startswith("model.")] + [f"model.from_hf={hf_llama}", f"model.init_from={hf_llama}"]
     out = megarl(["rm", "--config", "configs/tiny_rm.yaml", f"train.run_dir={tmp_path}", *model, "train.steps=2",
                   "train.eval_interval=0", "reward_model.init_from=null"])
     assert f"reward model backbone initialised from {hf_llama}" in out.stdout
@@ -103,7 +101,8 @@ def test_hf_export_generates_until_the_chat_end_token(tmp_path, hf_llama):
     _ends_every_reply(src, tok.im_end_id)
     megarl(["convert", "hf-to-megarl", "--hf", str(src), "--out", str(tmp_path / "ckpt")])
     out = tmp_path / "export"
-    megarl(["convert", "megarl-to-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(out), "--arch", "llama"])
+    megarl(["convert", "megarl-to-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(out), "--arch", "llama",
+            "tokenizer.kind=byte"])  # the HF directory has no tokenizer: the byte one, by name
 
     config = json.loads((out / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (tok.bos_id, tok.eos_id, tok.pad_id)

@@ -119,6 +119,7 @@ TINY = [*TINY_MODEL, "lr_schedule.warmup_steps=0", "train.eval_interval=0", "dat
         "data.micro_batch_size=8"]
 TINY_RL = [*TINY, "train.steps=1", "rl.prompts_per_step=4", "rl.samples_per_prompt=2", "rl.max_new_tokens=8",
            "rl.eval_prompts=4", "rl.eval_samples=2"]
+TINY_RL_STEPS = [o for o in TINY_RL if not o.startswith("model.")]  # for a model.from_hf run: its model as it is
 TINY_EVAL = [*TINY_MODEL, "rl.eval_prompts=4", "rl.eval_samples=2", "rl.max_new_tokens=8", "tracking.backend=none"]
 
 
@@ -273,7 +274,7 @@ class Validate:
         err = capsys.readouterr().err
         if rc != 0 and self.absent_inputs:
             lines = [ln.strip() for ln in err.replace("megarl: error: cannot start:", "").splitlines() if ln.strip()]
-            missing = [re.match(r"(megarl: error: )?[\w.]+: (/\S+) does not exist$", ln) for ln in lines]
+            missing = [re.match(r"(megarl: error: )?[\w.]+: (/\S+) does not exist( \(.*\))?$", ln) for ln in lines]
             if lines and all(m and not os.path.exists(m[2]) for m in missing):
                 return
         assert rc == 0, f"megarl {shlex.join(args)}: exit {rc}\n{err}"
@@ -323,15 +324,12 @@ class Files:
 
 
 def _hf_qwen2(work: Path) -> None:
-    """The README's /models/Qwen2-0.5B: a tiny random Qwen2 saved with transformers."""
-    transformers = pytest.importorskip("transformers")
-    import torch
+    """The README's /models/Qwen2-0.5B: a tiny random Qwen2 and its own tokenizer (hf_fixtures.py)."""
+    pytest.importorskip("transformers")
+    from hf_fixtures import save_qwen2
 
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=261, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=False)
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(work / "models" / "Qwen2-0.5B", safe_serialization=True)
+    if not (work / "models" / "Qwen2-0.5B" / "config.json").exists():
+        save_qwen2(work / "models" / "Qwen2-0.5B")
 
 
 def _copy_run(src: str, dst: str, parts=("data", "sft", "reward_model")):
@@ -389,6 +387,13 @@ COMMANDS = {
         (Run(before=_hf_qwen2, writes=("ckpt/qwen2/latest", "ckpt/qwen2/config.yaml")),),
     "megarl convert megarl-to-hf --checkpoint runs/x/sft/checkpoints --out hf/ --arch llama":
         (Run(needs=("sft",), writes=("hf/config.json",)),),
+    # ---- README.md: your own Hugging Face model (tests/test_hf_model.py runs it with more checks)
+    "megarl rl --config configs/tiny_grpo.yaml train.run_dir=runs/qwen2_grpo model.from_hf=/models/Qwen2-0.5B "
+    "roles.actor.init_from=/models/Qwen2-0.5B tokenizer.kind=hf tokenizer.path=/models/Qwen2-0.5B":
+        (Run("hf_rl", before=_hf_qwen2, extra=(*TINY_RL_STEPS, "tracking.backend=none"),
+             prints="actor initialised from models/Qwen2-0.5B", writes=("runs/qwen2_grpo/rl/checkpoints/latest",)),),
+    "megarl convert megarl-to-hf --checkpoint runs/qwen2_grpo/rl/checkpoints --out runs/qwen2_grpo/hf --arch qwen2":
+        (Run(needs=("hf_rl",), writes=("runs/qwen2_grpo/hf/tokenizer.json",)),),
     "megarl report runs/quickstart":
         (Run(needs=("sft", "rm", "grpo"), writes=("runs/quickstart/report/report.md",)),),
     "sbatch -N 4 launchers/slurm/megarl.sbatch rl configs/my_grpo.yaml": (Script(), Validate(needs=("sft",))),

@@ -111,18 +111,20 @@ def test_convert_round_trip_reads_the_config_it_wrote_and_names_shape_mismatch(t
     megarl(["convert", "hf-to-megarl", "--hf", str(hf_llama), "--out", str(ck)])
     assert (ck / "config.yaml").is_file()
     # megarl-to-hf finds the config hf-to-megarl wrote (it asked for a config.yaml that was named model.yaml)
-    megarl(["convert", "megarl-to-hf", "--checkpoint", str(ck), "--out", str(tmp_path / "hf"), "--arch", "llama"])
+    # (hf_llama has no tokenizer files: the export asks for one, here megarl's byte tokenizer by name)
+    megarl(["convert", "megarl-to-hf", "--checkpoint", str(ck), "--out", str(tmp_path / "hf"), "--arch", "llama",
+            "tokenizer.kind=byte"])
     # a config that does not match: one line naming the keys, not megatron's shape-mismatch traceback
     out = megarl(["convert", "megarl-to-hf", "--checkpoint", str(ck), "--out", str(tmp_path / "hf2"), "--arch", "llama",
-                  "model.hidden_size=32"], check=False)
+                  "tokenizer.kind=byte", "model.hidden_size=32"], check=False)
     # overrides after --config-less megarl-to-hf apply to the found config
     assert out.returncode == 2, out.stderr
     line = out.stderr.strip().splitlines()[-1]
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "model.hidden_size=64 (config: 32)" in line and "does not match" in line
     # a non-empty HF destination: refused with the flag that exists
-    out = megarl(["convert", "megarl-to-hf", "--checkpoint", str(ck), "--out", str(tmp_path / "hf"), "--arch", "llama"],
-                 check=False)
+    out = megarl(["convert", "megarl-to-hf", "--checkpoint", str(ck), "--out", str(tmp_path / "hf"), "--arch", "llama",
+                  "tokenizer.kind=byte"], check=False)
     assert out.returncode == 2 and "--overwrite" in out.stderr and "overwrite=True" not in out.stderr
 
 

@@ -49,17 +49,17 @@ def test_hf_weights_of_another_size_give_the_mismatch_line(tmp_path, hf_llama, s
     run = tmp_path / "run"
     if stage == "sft":
         args = ["sft", "--config", "tiny_sft.yaml", *TINY, f"train.run_dir={run}", f"model.init_from={hf_llama}",
-                "model.hidden_size=32"]
+                "model.hidden_size=32", "model.norm_eps=1e-6"]
     else:
         args = ["rl", "--config", "tiny_grpo.yaml", f"train.run_dir={run}", *TINY_RL, f"roles.actor.init_from={hf_llama}",
-                "model.hidden_size=32"]
+                "model.hidden_size=32", "model.norm_eps=1e-6"]
     out = megarl(args, check=False)
     assert out.returncode == 2, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     key = "model.init_from" if stage == "sft" else "roles.actor.init_from"  # the setting the user gave
     assert lines == [f"megarl: error: {key}: {hf_llama}: the saved model does not match the configured one: "
                      "model.hidden_size=64 (config: 32), model.head_dim=16 (config: 8); "
-                     "use the model section it was saved with"], lines
+                     f"use the model section it was saved with (model.from_hf: {hf_llama} reads it)"], lines
 
 
 def test_disk_full_is_recognised_and_named(tmp_path):

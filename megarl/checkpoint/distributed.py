@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from megarl.checkpoint.write_results import FileQueue
+from megarl.config.hf import model_fields
 from megarl.roles.offload import resident_during
 from megarl.runtime.distributed import barrier, is_rank0
 from megarl.utils.atomic import write_atomic
@@ -240,10 +241,8 @@ SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
 
 def model_shape(model_cfg) -> dict:
     """The shape-defining fields of a ModelConfig, with null defaults resolved."""
-    shape = {k: getattr(model_cfg, k) for k in SHAPE_KEYS}
-    shape["num_kv_heads"] = shape["num_kv_heads"] or model_cfg.num_attention_heads
-    shape["head_dim"] = shape["head_dim"] or model_cfg.hidden_size // max(model_cfg.num_attention_heads, 1)
-    return shape
+    fields = model_fields(model_cfg)
+    return {k: fields[k] for k in SHAPE_KEYS}
 
 
 def check_model_shape(path: str, manifest: dict, saved_role: str, role) -> None:

@@ -36,18 +36,11 @@ from functools import partial
 
 import torch
 
+from megarl.config.hf import (
+    ARCHITECTURES, MEGATRON_LLAMA3_ROPE, _names, _read_json, hf_config_to_model_config, hf_model_config,
+)
 from megarl.config.schema import ModelConfig
 
-# architecture -> (model_type, attention projections carry a bias, per-head q/k RMSNorm)
-ARCHITECTURES = {
-    "LlamaForCausalLM": ("llama", False, False),
-    "Qwen2ForCausalLM": ("qwen2", True, False),
-    "Qwen3ForCausalLM": ("qwen3", False, True),
-    "MistralForCausalLM": ("mistral", False, False),
-}
-# megatron-core's RotaryEmbedding._apply_scaling hard-codes these (Llama-3.1 values); only the
-# factor is configurable (ModelConfig.rope_scaling_factor).
-MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -56,127 +49,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 _DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
-def _names(items, limit: int = 8) -> str:
-    items = list(items)
-    more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
-
-
 # --------------------------------------------------------------------------- config
-
-
-def hf_config_to_model_config(config_json: dict, *, source: str = "config.json") -> ModelConfig:
-    """A Hugging Face config.json (dict) -> ModelConfig; ValueError naming what is unsupported.
-
-    Accepts both transformers-4 keys (rope_theta / rope_scaling) and transformers-5 keys
-    (rope_parameters). Rejects anything megarl would silently compute differently.
-    `source` prefixes error messages (the file's path when read from disk).
-    """
-    try:
-        return _model_config(config_json)
-    except ValueError as e:  # the rules below say "config.json: ..."; name the real file
-        raise ValueError(str(e).replace("config.json:", f"{source}:", 1)) from None
-
-
-def _model_config(c: dict) -> ModelConfig:
-    archs = c.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise ValueError(f"config.json: unsupported architectures {archs!r}; supported: {_names(ARCHITECTURES)}")
-    arch = archs[0]
-    _, qkv_bias, qk_norm = ARCHITECTURES[arch]
-
-    def need(key):
-        if c.get(key) is None:
-            raise ValueError(f"config.json: missing required key '{key}' for {arch}")
-        return c[key]
-
-    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    kv_heads = int(c.get("num_key_value_heads") or heads)
-    max_pos = int(need("max_position_embeddings"))
-    head_dim = int(c["head_dim"]) if c.get("head_dim") is not None else None
-    if head_dim == hidden // heads and hidden % heads == 0:
-        head_dim = None  # the default; ModelConfig keeps null for it
-    if (head_dim is None and hidden % heads) or heads % kv_heads:
-        raise ValueError(f"config.json: hidden_size {hidden}, num_attention_heads {heads} and "
-                         f"num_key_value_heads {kv_heads} must divide evenly")
-    if head_dim is not None and arch == "Qwen2ForCausalLM":
-        raise ValueError(f"config.json: head_dim {head_dim} != hidden_size/num_attention_heads "
-                         f"({hidden // heads}) is unsupported for {arch}")
-    if c.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act {c['hidden_act']!r} is unsupported (megarl uses SwiGLU with silu)")
-    for flag in ("attention_bias", "mlp_bias", "use_mrope"):
-        if c.get(flag):
-            raise ValueError(f"config.json: {flag}=true is unsupported for {arch}")
-    if c.get("quantization_config"):
-        raise ValueError("config.json: quantization_config is unsupported (quantized checkpoints)")
-    _check_full_attention(c, arch, int(need("num_hidden_layers")), max_pos)
-    theta, factor = _rope(c)
-    return ModelConfig(
-        num_layers=int(c["num_hidden_layers"]),
-        hidden_size=hidden,
-        ffn_hidden_size=int(need("intermediate_size")),
-        num_attention_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=int(need("vocab_size")),
-        max_position_embeddings=max_pos,
-        rotary_base=theta,
-        rope_scaling_factor=factor,
-        qkv_bias=qkv_bias,
-        qk_norm=qk_norm,
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        init_std=float(c.get("initializer_range", 0.02)),
-        attention_dropout=float(c.get("attention_dropout", 0.0) or 0.0),
-    )
-
-
-def _check_full_attention(c: dict, arch: str, num_layers: int, max_pos: int) -> None:
-    """megarl attends causally over the whole sequence: a window must never bind."""
-    window = c.get("sliding_window")
-    binds = window is not None and int(window) < max_pos
-    if arch == "MistralForCausalLM" and binds:
-        raise ValueError(f"config.json: sliding_window {window} < max_position_embeddings {max_pos} is unsupported "
-                         "(set sliding_window to null or >= max_position_embeddings)")
-    if arch == "Qwen2ForCausalLM":
-        layer_types = c.get("layer_types")
-        if layer_types is None:  # transformers 4: layers >= max_window_layers slide
-            first = int(c.get("max_window_layers", num_layers))
-            layer_types = ["sliding_attention" if c.get("use_sliding_window") and i >= first else "full_attention"
-                           for i in range(num_layers)]
-        sliding = [i for i, t in enumerate(layer_types) if t != "full_attention"]
-        if sliding and binds and c.get("use_sliding_window", True):
-            raise ValueError(f"config.json: use_sliding_window/layer_types make layers {sliding} use a "
-                             f"sliding_window of {window} < max_position_embeddings {max_pos}; unsupported")
-    elif any(t != "full_attention" for t in c.get("layer_types") or []):
-        raise ValueError(f"config.json: layer_types {sorted(set(c['layer_types']))} unsupported (full_attention only)")
-
-
-def _rope(c: dict) -> tuple[float, float | None]:
-    """(rotary_base, rope_scaling_factor) from either transformers generation of keys."""
-    params = c.get("rope_parameters")
-    key = "rope_parameters"
-    if params is None:
-        params = c.get("rope_scaling") or {}
-        key = "rope_scaling"
-    theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
-    if theta != int(theta):
-        raise ValueError(f"config.json: rope_theta {theta} is not an integer (megatron-core's rotary_base is an int)")
-    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"config.json: partial_rotary_factor {partial} is unsupported (full rotary only)")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return theta, None
-    if kind != "llama3":
-        raise ValueError(f"config.json: {key} type {kind!r} is unsupported (only 'default' and 'llama3')")
-    for name, want in MEGATRON_LLAMA3_ROPE.items():
-        if params.get(name) is None or float(params[name]) != want:
-            raise ValueError(f"config.json: {key}.{name}={params.get(name)} is unsupported; megatron-core's "
-                             f"llama3 rope scaling fixes it to {want}")
-    if params.get("factor") is None or float(params["factor"]) <= 0:
-        raise ValueError(f"config.json: {key}.factor must be a positive number, got {params.get('factor')}")
-    return theta, float(params["factor"])
 
 
 def model_config_to_hf_config(mc: ModelConfig, arch: str, torch_dtype: str = "float32") -> dict:
@@ -389,16 +262,6 @@ def _check_shapes(got: dict[str, tuple], want: dict[str, tuple], what: str) -> l
 # --------------------------------------------------------------------------- import
 
 
-def _read_json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"{path}: not found") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from None
-
-
 def _checkpoint_tensors(hf_dir: str) -> dict[str, tuple[str, tuple]]:
     """HF tensor name -> (safetensors file, shape), from headers only; every file must exist."""
     single, index = os.path.join(hf_dir, SINGLE_FILE), os.path.join(hf_dir, INDEX_FILE)
@@ -433,22 +296,23 @@ def _header(path: str) -> dict[str, tuple]:
         raise ValueError(f"{path}: unreadable safetensors file ({e})") from None
 
 
-def check_hf_shape(hf_dir: str, model_cfg: ModelConfig) -> None:
-    """CheckpointError in one line naming every shape field where the HF model in `hf_dir`
-    (its config.json) differs from `model_cfg`: the message a megarl checkpoint of another
-    shape gives, before any tensor is read (instead of the layout loader's shape list)."""
-    from megarl.checkpoint.distributed import SHAPE_KEYS, CheckpointError, model_shape
+def check_hf_model(hf_dir: str, model_cfg: ModelConfig) -> None:
+    """CheckpointError in one line naming every field that changes the maths (HF_MODEL_FIELDS:
+    shapes, RoPE base and scaling, norm eps, max positions, biases, tied embeddings) where the HF
+    model in `hf_dir` (its config.json) differs from `model_cfg`, before any tensor is read: a
+    wrong rotary_base loads every tensor and only the logits are wrong."""
+    from megarl.checkpoint.distributed import CheckpointError
+    from megarl.config.hf import field_diff
 
-    config_path = os.path.join(hf_dir, "config.json")
     try:
-        have = model_shape(hf_config_to_model_config(_read_json(config_path), source=config_path))
+        have = hf_model_config(hf_dir)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
-    want = model_shape(model_cfg)
-    diff = [f"{k}={have[k]} (config: {want[k]})" for k in SHAPE_KEYS if have[k] != want[k]]
+    diff = field_diff(have, model_cfg)
     if diff:
         raise CheckpointError(f"{hf_dir}: the saved model does not match the configured one: model."
-                              + ", model.".join(diff) + "; use the model section it was saved with")
+                              + ", model.".join(diff) + "; use the model section it was saved with "
+                              f"(model.from_hf: {hf_dir} reads it)")
 
 
 def load_hf_checkpoint(hf_dir: str, *, lazy: bool = False) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
@@ -464,8 +328,7 @@ def load_hf_checkpoint(hf_dir: str, *, lazy: bool = False) -> tuple[ModelConfig,
     from safetensors import safe_open
 
     hf_dir = os.fspath(hf_dir)
-    config_path = os.path.join(hf_dir, "config.json")
-    mc = hf_config_to_model_config(_read_json(config_path), source=config_path)
+    mc = hf_model_config(hf_dir)
     found = {n: v for n, v in _checkpoint_tensors(hf_dir).items() if not _DERIVED.fullmatch(n)}
     shapes = {n: shape for n, (_, shape) in found.items()}
     want = hf_shapes(mc)

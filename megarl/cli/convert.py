@@ -1,8 +1,12 @@
 """`megarl convert`: Hugging Face directories <-> megarl checkpoints.
 
 hf-to-megarl writes a one-role checkpoint (weights only) that any stage can start from with
-`model.init_from: <out>`, plus `<out>/config.yaml`, the `model:` section matching the weights
-(the file megarl-to-hf reads next to a checkpoint, as it reads a stage's config.yaml).
+`model.init_from: <out>` (`roles.actor.init_from` for RL), plus `<out>/config.yaml`, the `model:`
+section matching the weights and the `tokenizer:` it came with (the file megarl-to-hf reads next
+to a checkpoint, as it reads a stage's config.yaml). The HF tokenizer's files are copied into
+`<out>/tokenizer/`, so that the export finds them after the HF directory is gone; an HF directory
+without them is recorded as such, and its export then asks for --tokenizer instead of writing
+megarl's byte tokenizer for a model that never used it.
 Both refuse a non-empty destination unless given --overwrite.
 megarl-to-hf gathers a checkpoint's weights (whatever layout saved them) into an HF directory
 that transformers uses as it is: the tokenizer's special ids in config.json, a
@@ -14,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 
 import yaml
 
 from megarl.config import ConfigError, load_config
-from megarl.utils.atomic import write_atomic
+from megarl.utils.atomic import atomic_directory, write_atomic
 
 
 def _single_process():
@@ -28,6 +33,7 @@ def _single_process():
 
 
 CONFIG_NAME = "config.yaml"
+TOKENIZER_DIR = "tokenizer"  # hf-to-megarl's copy of the HF tokenizer, inside the checkpoint root
 LEGACY_CONFIG_NAME = "model.yaml"  # what hf-to-megarl wrote before it wrote config.yaml
 
 
@@ -41,7 +47,7 @@ def _check_destination(out: str, overwrite: bool) -> None:
 
 def hf_to_megarl(hf_dir: str, out: str, role_name: str = "sft", overwrite: bool = False) -> str:
     from megarl.checkpoint.distributed import save_checkpoint
-    from megarl.checkpoint.hf import load_hf_checkpoint
+    from megarl.checkpoint.hf import TOKENIZER_FILES, load_hf_checkpoint
     from megarl.config import ParallelConfig
     from megarl.models.layout import load_full_state_dict
     from megarl.roles.role import Role
@@ -53,18 +59,22 @@ def hf_to_megarl(hf_dir: str, out: str, role_name: str = "sft", overwrite: bool 
         raise ConfigError(f"--hf {hf_dir}: {what}; expected a Hugging Face model directory (config.json + safetensors)")
     model_cfg, weights = load_hf_checkpoint(hf_dir)
     if overwrite and os.path.isdir(out):
-        import shutil
-
         shutil.rmtree(out)
     _single_process()
     try:
         role = Role(role_name, model_cfg, ParallelConfig())
         load_full_state_dict(role.model, weights, model_cfg.vocab_size)
         del weights
-        path = save_checkpoint(out, 0, {role_name: role}, {"source": os.path.abspath(hf_dir)}, keep_last=1)
-        write_atomic(os.path.join(out, CONFIG_NAME),
-                     yaml.safe_dump({"model": dataclasses.asdict(model_cfg)}, sort_keys=False))
-        return path
+        # the tokenizer and config.yaml before the weights: the save's `latest`, written last, marks a whole import
+        tok_files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, f))]
+        tok_dir = os.path.abspath(os.path.join(out, TOKENIZER_DIR)) if tok_files else None
+        if tok_dir:
+            with atomic_directory(tok_dir, replace=True) as tmp:
+                for f in tok_files:
+                    shutil.copyfile(os.path.join(hf_dir, f), os.path.join(tmp, f))
+        write_atomic(os.path.join(out, CONFIG_NAME), yaml.safe_dump(
+            {"model": dataclasses.asdict(model_cfg), "tokenizer": {"kind": "hf", "path": tok_dir}}, sort_keys=False))
+        return save_checkpoint(out, 0, {role_name: role}, {"source": os.path.abspath(hf_dir)}, keep_last=1)
     finally:
         teardown()
 
@@ -96,8 +106,9 @@ def megarl_to_hf(checkpoint: str, out: str, arch: str, config: str | None, overr
         raise ConfigError(f"--checkpoint {checkpoint}: no such checkpoint (a step directory or a root with 'latest')")
     path = resolve_checkpoint(checkpoint)
     verify_checkpoint(path)  # before any config is looked for: a broken checkpoint is named as such
-    cfg = load_config(_config_for(checkpoint, config, overrides), overrides)
-    tok_dir = tokenizer or (cfg.tokenizer.path if cfg.tokenizer.kind == "hf" else None)
+    config = _config_for(checkpoint, config, overrides)
+    cfg = load_config(config, overrides)
+    tok_dir = tokenizer or _hf_tokenizer(cfg, config)
     special_ids, generation, files = _tokenizer_export(cfg, tok_dir)
     _single_process()
     try:
@@ -108,6 +119,22 @@ def megarl_to_hf(checkpoint: str, out: str, arch: str, config: str | None, overr
                            generation_config=generation, extra_config=special_ids, overwrite=overwrite)
     finally:
         teardown()
+
+
+def _hf_tokenizer(cfg, config: str) -> str | None:
+    """The HF tokenizer directory the model's config names (None: megarl's byte tokenizer);
+    ConfigError naming --tokenizer when it names none, or one that is gone."""
+    t = cfg.tokenizer
+    if t.kind != "hf":
+        return None
+    if not t.path:
+        raise ConfigError(f"{config}: no tokenizer recorded (tokenizer.path is null: the Hugging Face directory it "
+                          "was imported from had no tokenizer files); pass --tokenizer DIR (the model's Hugging Face "
+                          "tokenizer), or tokenizer.kind=byte if it was trained with megarl's byte tokenizer")
+    if not os.path.isdir(t.path):
+        raise ConfigError(f"{config}: tokenizer.path {t.path} does not exist; pass --tokenizer DIR (the model's "
+                          "Hugging Face tokenizer)")
+    return t.path
 
 
 # megarl's byte chat format (data/tokenizer.py ByteTokenizer.encode_chat) as an HF chat template.

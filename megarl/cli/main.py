@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--checkpoint", required=True, help="megarl checkpoint (a step dir or a root with 'latest')")
     c.add_argument("--out", required=True, help="HF directory to write (atomically)")
     c.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "mistral"])
-    c.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied along")
+    c.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied along (default: "
+                   "the tokenizer the model's config.yaml names; hf-to-megarl records the HF one)")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: refuse)")
     _config_args(c, required=False)
     p = sub.add_parser("doctor", help="versions, devices and (--gpu) GPU checks of this machine, as a table and JSON",

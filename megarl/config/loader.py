@@ -15,6 +15,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from megarl.config.hf import HF_MODEL_FIELDS, field_diff, hf_model_config
 from megarl.config.schema import Config
 from megarl.config.shipped import resolve_config_path, shipped_configs
 from megarl.utils.atomic import write_atomic
@@ -93,6 +94,8 @@ def read_yaml(path: str, _chain: tuple = ()) -> dict:
 
 def deep_merge(base: dict, top: dict) -> dict:
     out = dict(base)
+    if isinstance(top.get("from_hf"), str):  # a model section of another model: the fields beneath are not its
+        out = {k: v for k, v in out.items() if k not in HF_MODEL_FIELDS}
     for k, v in top.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = deep_merge(out[k], v)
@@ -123,8 +126,17 @@ def apply_override(data: dict, override: str) -> dict:
         if not isinstance(node.get(p), dict):
             node[p] = {}
         node = node[p]
+    if parts[-1] == "from_hf" and isinstance(value, str):  # as in deep_merge: the files' fields were another model's
+        for k in HF_MODEL_FIELDS:
+            node.pop(k, None)
     node[parts[-1]] = value
     return data
+
+
+def from_hf_first(overrides) -> list[str]:
+    """Overrides in the order to apply them: a `...from_hf=DIR` one first, so that it clears the
+    model fields the files gave, never ones given beside it (those must agree with DIR)."""
+    return sorted(overrides, key=lambda o: o.partition("=")[0].strip().rpartition(".")[2] != "from_hf")
 
 
 def _check_path(cls, parts: list[str], where: str):
@@ -226,9 +238,42 @@ def _show(value) -> str:
 def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> Config:
     """The resolved, type-checked config (cross-field validation is `validate_config`)."""
     data = read_yaml(resolve_config_path(path)) if path else {}
-    for o in overrides:
+    for o in from_hf_first(overrides):
         data = apply_override(data, o)
-    return build(Config, inherit_role_sections(data), path or "config")
+    return build_config(data, path or "config")
+
+
+def build_config(data: dict, where: str) -> Config:
+    """The typed Config of merged YAML data: role sections inherited, model.from_hf resolved."""
+    data = inherit_role_sections(data)
+    return resolve_from_hf(build(Config, data, where), data, where)
+
+
+def resolve_from_hf(cfg: Config, data: dict, where: str) -> Config:
+    """Each model section with `from_hf: DIR` takes HF_MODEL_FIELDS from DIR/config.json; a field
+    the config writes itself must agree (ConfigError naming it, the config's and config.json's
+    value). A DIR not on this machine leaves the section as written: `megarl validate` on a
+    login node checks those fields, and pre-flight names the missing directory."""
+    roles = data.get("roles") if isinstance(data.get("roles"), dict) else {}
+    owners = {"model": (cfg, data.get("model"))}  # where each model section lives, and as written
+    for name in ("actor", "reference", "critic", "reward"):
+        if getattr(cfg.roles, name).model is not None:
+            owners[f"roles.{name}.model"] = (getattr(cfg.roles, name), (roles.get(name) or {}).get("model"))
+    for key, (owner, raw) in owners.items():
+        mc = owner.model
+        if not mc.from_hf or not os.path.isdir(mc.from_hf):
+            continue
+        try:
+            hf = hf_model_config(mc.from_hf)
+        except ValueError as e:
+            raise ConfigError(f"{where}: {key}.from_hf: {e}") from None
+        diff = field_diff(hf, mc, [k for k in HF_MODEL_FIELDS if isinstance(raw, dict) and k in raw])
+        if diff:
+            raise ConfigError(f"{where}: {key}.from_hf: {os.path.join(mc.from_hf, 'config.json')} has {key}."
+                              + f", {key}.".join(diff) + f"; remove the key or make it agree (another model: "
+                              f"{key}.from_hf: null)")
+        owner.model = dataclasses.replace(mc, **{k: getattr(hf, k) for k in HF_MODEL_FIELDS})
+    return cfg
 
 
 ROLE_SECTIONS = ("model", "optim", "lr_schedule")

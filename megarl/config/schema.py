@@ -37,6 +37,9 @@ class ModelConfig:
     # present, else megatron-core's local modules.
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     init_from: Optional[str] = None  # a megarl checkpoint or Hugging Face directory
+    # a Hugging Face directory whose config.json gives every field that changes the maths (shapes,
+    # RoPE, norm eps, ...: config/hf.py); fields written beside it must agree (loader.py)
+    from_hf: Optional[str] = None
 
 
 @dataclass

@@ -183,7 +183,7 @@ def preflight(cfg: Config, stage: str | None) -> list[str]:
     the checks every stage shares; another name (e.g. "eval"): run dir and tokenizer only.
     Cheap (counts lines, loads the tokenizer); runs before the run dir is touched, on every rank."""
     stage = STAGE_ALIASES.get(stage, stage)
-    errs = _run_dir_errors(cfg.train.run_dir) + _tokenizer_errors(cfg)
+    errs = _run_dir_errors(cfg.train.run_dir) + _from_hf_errors(cfg) + _tokenizer_errors(cfg)
     if stage in ("rl", "eval"):
         errs += _reward_fn_errors(cfg, stage) + tool_errors(cfg)
     if stage == "eval":  # its held-out prompts; the checkpoint is named on the command line
@@ -229,6 +229,18 @@ def _run_dir_errors(run_dir: str) -> list[str]:
     if not os.access(parent, os.W_OK):
         return [f"train.run_dir: {run_dir} cannot be created: no write permission in {parent}"]
     return []
+
+
+def _from_hf_errors(cfg: Config) -> list[str]:
+    """A model.from_hf directory this machine lacks (the loader used the fields as written)."""
+    models = {"model": cfg.model, **{f"roles.{n}.model": getattr(cfg.roles, n).model
+                                     for n in ("actor", "reference", "critic", "reward")}}
+    missing = {}
+    for key, m in models.items():
+        if m is not None and m.from_hf and not os.path.isdir(m.from_hf):
+            missing.setdefault(m.from_hf, key)
+    return [f"{key}.from_hf: {path} does not exist (the model fields as written were checked)"
+            for path, key in missing.items()]
 
 
 def _tokenizer_errors(cfg: Config) -> list[str]:

@@ -29,7 +29,7 @@ import sys
 import yaml
 
 from megarl.config import Config, ConfigError
-from megarl.config.loader import apply_override, build, deep_merge, inherit_role_sections, read_yaml
+from megarl.config.loader import apply_override, build_config, deep_merge, from_hf_first, read_yaml
 from megarl.config.shipped import resolve_config_path
 
 
@@ -48,20 +48,19 @@ def load_pipeline_config(path: str | None, overrides=()) -> dict[str, Config]:
         raise ConfigError(f"{where}: 'stages' holds {', '.join(STAGES)} (one mapping each); got {bad}")
     per_stage = {k: dict(v or {}) for k, v in per_stage.items()}
     staged = [o for o in overrides if o.partition("=")[0].strip().startswith("stages.")]
-    for o in (o for o in overrides if o not in staged):
+    for o in (o for o in from_hf_first(overrides) if o not in staged):
         data = apply_override(data, o)
         for stage, section in per_stage.items():
             if _sets(section, o.partition("=")[0].strip().split(".")):
                 per_stage[stage] = apply_override(section, o)
-    for o in staged:
+    for o in from_hf_first(staged):
         stage, _, rest = o.partition("=")[0].strip()[len("stages."):].partition(".")
         if stage not in STAGES or not rest:
             raise ConfigError(f"override '{o}': expected stages.<{'|'.join(STAGES)}>.section.key=value")
         per_stage[stage] = apply_override(per_stage.setdefault(stage, {}), o.strip()[len(f"stages.{stage}."):])
     configs = {}
     for stage in STAGES:
-        merged = inherit_role_sections(deep_merge(data, per_stage.get(stage, {})))
-        configs[stage] = build(Config, merged, f"{where} (stage {stage})")
+        configs[stage] = build_config(deep_merge(data, per_stage.get(stage, {})), f"{where} (stage {stage})")
     _check_shared(configs)
     return configs
 

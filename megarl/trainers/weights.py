@@ -68,11 +68,11 @@ def init_weights(cfg: Config, role, model_cfg=None, skip_head: bool = False, key
     if not os.path.exists(src):
         raise ConfigError(f"{key}: {src} does not exist")
     if os.path.isfile(os.path.join(src, "config.json")):
-        from megarl.checkpoint.hf import check_hf_shape, load_hf_checkpoint
+        from megarl.checkpoint.hf import check_hf_model, load_hf_checkpoint
         from megarl.models.layout import load_full_state_dict
 
         try:
-            check_hf_shape(src, model_cfg or cfg.model)  # one line naming the fields, not the loader's traceback
+            check_hf_model(src, model_cfg or cfg.model)  # one line naming the fields, not the loader's traceback
             _, weights = load_hf_checkpoint(src, lazy=True)  # each rank reads only its stage's tensors
         except (ValueError, CheckpointError) as e:
             raise ConfigError(f"{key}: {e}") from e
@@ -157,10 +157,10 @@ def content_errors(path: str, key: str, model_cfg, role_name: str) -> list[str]:
     from megarl.checkpoint.distributed import MANIFEST, SHAPE_KEYS, CheckpointError, model_shape
 
     if os.path.isfile(os.path.join(path, "config.json")):
-        from megarl.checkpoint.hf import check_hf_shape
+        from megarl.checkpoint.hf import check_hf_model
 
         try:
-            check_hf_shape(path, model_cfg)
+            check_hf_model(path, model_cfg)
         except CheckpointError as e:
             return [f"{key}: {e}"]
         return []
