@@ -263,7 +263,8 @@ def test_nested_runs_and_report(tmp_path, store_uri):
     assert imread(out / "rl__eval.png").shape[0] > img.shape[0]  # pass@1 and lengths: two panels
     md = report.read_text()
     assert pipe.run_id in md and sft.run_id in md and "![loss](sft__loss.png)" in md
-    assert "| `eval/token_accuracy` | 0.95 (step 19) | 0.95 (step 19) | 4 |" in md
+    assert "| `eval/token_accuracy` | 0.95 (step 19) | higher | 0.95 (step 19) | 4 |" in md
+    assert "| `train/grad_norm` | 2.9 (step 19) | - | - | 20 |" in md  # no direction: no best
     # the child's own run dir reports just that run
     assert write_report(tmp_path / "pipe" / "sft", tmp_path / "sft_report").exists()
     assert (tmp_path / "sft_report" / "loss.png").exists()
