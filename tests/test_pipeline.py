@@ -154,14 +154,14 @@ def test_pipeline_config_sections_and_overrides(tmp_path):
 
 
 def test_pipeline_checks_every_stage_before_the_first_step(tmp_path):
-    """A rule broken in a later stage (RM warm-up >= its steps) stops the pipeline before SFT
+    """A rule broken in a later stage (RM warm-up >= its decay steps) stops the pipeline before SFT
     trains, in one message that names the stage, as `megarl validate` does."""
-    for args in (pipeline_args(tmp_path / "run", "stages.rm.lr_schedule.warmup_steps=5"),
-                 ["validate", "--config", "configs/tiny_pipeline.yaml", *TINY, "stages.rm.lr_schedule.warmup_steps=5"]):
+    for args in (pipeline_args(tmp_path / "run", "stages.rm.lr_schedule.decay_steps=1"),
+                 ["validate", "--config", "configs/tiny_pipeline.yaml", *TINY, "stages.rm.lr_schedule.decay_steps=1"]):
         out = subprocess.run(command(args), capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
         assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
         assert "configs/tiny_pipeline.yaml (stage rm): invalid config:" in out.stderr, out.stderr[-2000:]
-        assert "lr_schedule.warmup_steps (5) must be in [0, decay steps (2))" in out.stderr
+        assert "lr_schedule.warmup_steps (1) must be in [0, decay steps (1))" in out.stderr
         assert "Traceback" not in out.stderr
     assert not (tmp_path / "run" / "sft").exists()
 

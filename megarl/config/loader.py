@@ -10,6 +10,7 @@ import difflib
 import math
 import os
 import re
+import sys
 import typing
 from typing import Any, Literal, Union
 
@@ -228,7 +229,25 @@ def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> C
     data = read_yaml(resolve_config_path(path)) if path else {}
     for o in overrides:
         data = apply_override(data, o)
-    return build(Config, inherit_role_sections(data), path or "config")
+    return fit_short_run(build(Config, inherit_role_sections(data), path or "config"))
+
+
+_NOTED: set[str] = set()  # notices already printed by this process
+
+
+def fit_short_run(cfg: Config, where: str = "") -> Config:
+    """A run shorter than its recipe's warm-up (`train.steps=5` on a 20-step warm-up) warms up
+    over all but its last step instead of failing; one notice says so. With
+    lr_schedule.decay_steps set, the schedule is the user's own and is left to validation."""
+    s, steps = cfg.lr_schedule, cfg.train.steps
+    if s.decay_steps is None and steps >= 1 and s.warmup_steps >= steps:
+        note = (f"megarl: note: {where}lr_schedule.warmup_steps ({s.warmup_steps}) is not below train.steps "
+                f"({steps}); warm-up clamped to {steps - 1} step(s)")
+        cfg.lr_schedule = dataclasses.replace(s, warmup_steps=steps - 1)
+        if note not in _NOTED and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+            _NOTED.add(note)
+            print(note, file=sys.stderr, flush=True)
+    return cfg
 
 
 ROLE_SECTIONS = ("model", "optim", "lr_schedule")

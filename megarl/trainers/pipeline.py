@@ -29,7 +29,7 @@ import sys
 import yaml
 
 from megarl.config import Config, ConfigError
-from megarl.config.loader import apply_override, build, deep_merge, inherit_role_sections, read_yaml
+from megarl.config.loader import apply_override, build, deep_merge, fit_short_run, inherit_role_sections, read_yaml
 from megarl.config.shipped import resolve_config_path
 
 
@@ -61,7 +61,7 @@ def load_pipeline_config(path: str | None, overrides=()) -> dict[str, Config]:
     configs = {}
     for stage in STAGES:
         merged = inherit_role_sections(deep_merge(data, per_stage.get(stage, {})))
-        configs[stage] = build(Config, merged, f"{where} (stage {stage})")
+        configs[stage] = fit_short_run(build(Config, merged, f"{where} (stage {stage})"), f"stage {stage}: ")
     _check_shared(configs)
     return configs
 
