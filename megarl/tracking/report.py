@@ -263,6 +263,53 @@ def _run_section(client, run, out_dir: Path, prefix: str) -> list[str]:
     return lines + [""]
 
 
+# The overview at the top of report.md: what a user of an RL run looks at first.
+OVERVIEW = (("held-out pass@k", re.compile(r"^eval/pass_at_\d+$")), ("reward", re.compile(r"^reward/mean$")),
+            ("KL to the reference", re.compile(r"^kl/mean$")),
+            ("response length (tokens)", re.compile(r"^rollout/response_len_mean$")),
+            ("entropy", re.compile(r"^actor/entropy$")))
+
+
+def overview_panels(keys) -> list[tuple[str, list[str]]]:
+    """(title, metric keys) of each overview panel the run has metrics for, in OVERVIEW's order;
+    pass@1 first among the pass@k."""
+    def order(k):
+        tail = k.rsplit("_", 1)[-1]
+        return (int(tail) if tail.isdigit() else 0, k)
+
+    return [(title, sorted((k for k in keys if rule.search(k)), key=order)) for title, rule in OVERVIEW
+            if any(rule.search(k) for k in keys)]
+
+
+def _overview(client, runs, out: Path) -> list[str]:
+    """overview.png of the first run with RL's figures (the rl stage of a pipeline) and its line."""
+    rl = next((r for r in runs if overview_panels(r.data.metrics) and "reward/mean" in r.data.metrics), None)
+    if rl is None:
+        return []
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = overview_panels(rl.data.metrics)
+    fig = Figure(figsize=(11, 3.2 * ((len(panels) + 1) // 2)), dpi=100)
+    FigureCanvasAgg(fig)
+    for i, (title, keys) in enumerate(panels):
+        ax = fig.add_subplot((len(panels) + 1) // 2, 2, i + 1)
+        for key in keys:
+            hist = sorted(client.get_metric_history(rl.info.run_id, key), key=lambda m: (m.step, m.timestamp))
+            steps = [m.step for m in hist]
+            ax.plot(steps, [m.value for m in hist], label=key.split("/", 1)[1].replace("_at_", "@"),
+                    marker="o" if len(steps) < 20 else None, markersize=3)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(f"{rl.info.run_name} step")
+        ax.set_ylabel(title.split(" (")[0] if "pass" not in title else "share of prompts (0-1)")
+        ax.grid(True, alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "overview.png", bbox_inches="tight")
+    return [f"![overview: {', '.join(t for t, _ in panels)}](overview.png)", ""]
+
+
 def write_report(run_dir, out_dir=None, *, uri: str | None = None, include_children: bool = True) -> Path:
     """Write `<out_dir>/report.md` and `<out_dir>/*.png` (default out_dir: <run_dir>/report).
 
@@ -292,6 +339,7 @@ def write_report(run_dir, out_dir=None, *, uri: str | None = None, include_child
              f"- tracking store: `{uri}`", f"- run id: `{run.info.run_id}`",
              f"- view: `mlflow ui --backend-store-uri {uri}`" if uri.startswith("sqlite") else
              f"- view: {uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}", ""]
+    lines += _overview(client, runs, out)
     for i, r in enumerate(runs):
         prefix = "" if i == 0 else re.sub(r"[^\w.-]", "_", r.info.run_name or r.info.run_id) + "__"
         lines += _run_section(client, r, out, prefix)
