@@ -261,3 +261,23 @@ def test_wsd_schedule_warms_up_holds_then_decays_linearly():
         assert got[step - 1] == pytest.approx(1e-5 + (1e-3 - 1e-5) * (1 - (step - 70) / 30))
     default = lrs(LRScheduleConfig(style="wsd", warmup_steps=0), 100)
     assert default[79] == pytest.approx(1e-3) and default[80] < 1e-3 and default[-1] == pytest.approx(1e-5)
+
+
+def test_every_config_and_input_problem_is_reported_in_one_pass(tmp_path, capsys):
+    """A missing data file with a bad key, or with a broken rule: one error, one line each
+    (before: the first problem only, the next after it was fixed)."""
+    from megarl.cli.main import main
+
+    missing = tmp_path / "train.jsonl"
+    base = ["--config", "configs/tiny_sft.yaml", f"train.run_dir={tmp_path / 'run'}", f"data.train_path={missing}"]
+    assert main(["sft", *base, "optim.lrr=1", "model.hidden_size=abc"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "megarl: error: invalid config:" and len(lines) == 4, lines
+    assert "unknown key 'optim.lrr' (did you mean 'optim.lr'?)" in lines[1]
+    assert "'model.hidden_size' expects an int" in lines[2]
+    assert lines[3] == f"  data.train_path: {missing} does not exist"
+    assert main(["validate", *base, "train.steps=0"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["megarl: error: invalid config:", "  train.steps must be >= 1, got 0",
+                     f"  data.train_path: {missing} does not exist"], lines
+    assert not (tmp_path / "run").exists()

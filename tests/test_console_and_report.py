@@ -16,13 +16,17 @@ from megarl_run import env
 
 def test_banner_describes_each_stage_batch():
     from megarl.config import load_config
+    from megarl.trainers.pipeline import load_pipeline_config
     from megarl.trainers.session import _work
 
     rl = load_config("configs/tiny_grpo.yaml", ["data.global_batch_size=48"])
     line = _work(rl, "rl")
     assert line.startswith("60 steps of 16 prompts x 8 samples (up to 24 new tokens)") and "48" not in line
-    assert "eval: 64 prompts x 4 samples" in line
-    assert _work(rl, "eval") == "64 held-out prompts x 4 samples (up to 24 new tokens)"
+    assert "eval: 200 prompts x 4 samples" in line
+    assert _work(rl, "eval") == "200 held-out prompts x 4 samples (up to 24 new tokens)"
+    pipeline = load_pipeline_config("configs/tiny_pipeline.yaml")["rl"].rl  # `megarl eval` scores what the pipeline does
+    assert (pipeline.eval_prompts, pipeline.eval_samples, pipeline.eval_temperature) == \
+        (rl.rl.eval_prompts, rl.rl.eval_samples, rl.rl.eval_temperature)
     assert _work(load_config("configs/tiny_sft.yaml"), "sft").startswith("600 steps of 32 sequences x 128 tokens")
     assert _work(load_config("configs/tiny_rm.yaml"), "reward_model").startswith("150 steps of 128 pairs (2 x 128 tokens)")
 
@@ -148,6 +152,18 @@ def test_report_keeps_a_pair_accuracy_off_the_rewards_axis_and_labels_every_axis
         assert [ax.get_ylabel() for ax in family_figure("m", memory).axes] == ["GiB"]
 
 
+def test_report_overview_shows_what_an_rl_user_looks_at_first():
+    from megarl.tracking.report import overview_panels
+
+    keys = {"eval/pass_at_16", "eval/pass_at_1", "eval/pass_at_4", "reward/mean", "reward/std", "kl/mean",
+            "actor/entropy", "rollout/response_len_mean", "eval/mean_at_4", "train/lr"}
+    assert overview_panels(keys) == [
+        ("held-out pass@k", ["eval/pass_at_1", "eval/pass_at_4", "eval/pass_at_16"]), ("reward", ["reward/mean"]),
+        ("KL to the reference", ["kl/mean"]), ("response length (tokens)", ["rollout/response_len_mean"]),
+        ("entropy", ["actor/entropy"])]
+    assert overview_panels({"train/loss", "eval/loss"}) == []  # an SFT run: no overview
+
+
 def test_report_best_follows_each_metrics_direction():
     from megarl.tracking.report import direction
 
@@ -197,3 +213,16 @@ def test_python_api_prints_no_megatron_notices(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     for notice in ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope"):
         assert notice not in out.stderr + out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine without kernels the line is a warning")
+def test_a_cpu_run_prints_nothing_about_cuda_kernels(monkeypatch, caplog):
+    """Expected on CPU, so not in every stage's output (`megarl doctor` reports the kernels)."""
+    import logging
+
+    from megarl.ops import _ext
+
+    monkeypatch.setattr(_ext, "_ext", _ext._UNLOADED)
+    caplog.set_level(logging.DEBUG, logger="megarl.ops")
+    assert _ext.load() is None and _ext.load() is None
+    assert [r.levelno for r in caplog.records if "CUDA kernels unavailable" in r.getMessage()] == [logging.DEBUG]

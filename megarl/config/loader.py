@@ -163,29 +163,35 @@ def _dataclass_in(tp):
 # dict -> dataclass with type checks
 
 
-def build(cls, data: Any, where: str, prefix: str = ""):
-    """Construct dataclass `cls` from a mapping, checking every key and type."""
+def build(cls, data: Any, where: str, prefix: str = "", problems: list | None = None):
+    """Construct dataclass `cls` from a mapping, checking every key and type. problems: a list
+    to collect (key, message) in, leaving a bad key at its default, instead of raising."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'config'}' must be a mapping, got {_show(data)}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}{key}"
-        if key not in hints:
-            raise ConfigError(f"{where}: unknown key '{full}'{_suggest(str(key), hints, prefix.rstrip('.').split('.') if prefix else [])}")
-        kwargs[key] = _coerce(hints[key], value, where, full)
+        try:
+            if key not in hints:
+                raise ConfigError(f"{where}: unknown key '{full}'{_suggest(str(key), hints, prefix.rstrip('.').split('.') if prefix else [])}")
+            kwargs[key] = _coerce(hints[key], value, where, full, problems)
+        except ConfigError as e:
+            if problems is None:
+                raise
+            problems.append((full, str(e)))
     return cls(**kwargs)
 
 
-def _coerce(tp, value, where: str, key: str):
+def _coerce(tp, value, where: str, key: str, problems: list | None = None):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Union:  # Optional[X]
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, where, key)
+        return _coerce(inner[0], value, where, key, problems)
     if dataclasses.is_dataclass(tp):
-        return build(tp, value, where, key + ".")
+        return build(tp, value, where, key + ".", problems)
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{where}: '{key}' must be one of {', '.join(map(repr, args))}; got {_show(value)}")
@@ -224,12 +230,19 @@ def _show(value) -> str:
 # ---------------------------------------------------------------------------------------
 
 
-def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """The resolved, type-checked config (cross-field validation is `validate_config`)."""
+def load_config(path: str | None = None, overrides: list[str] | tuple = (), problems: list | None = None) -> Config:
+    """The resolved, type-checked config (cross-field validation is `validate_config`).
+    problems: collect (key, message) of every bad key or override in it, each left at its
+    default, instead of raising at the first (the CLI reports them all with the other checks)."""
     data = read_yaml(resolve_config_path(path)) if path else {}
     for o in overrides:
-        data = apply_override(data, o)
-    return fit_short_run(build(Config, inherit_role_sections(data), path or "config"))
+        try:
+            data = apply_override(data, o)
+        except ConfigError as e:
+            if problems is None:
+                raise
+            problems.append((o.partition("=")[0].strip(), str(e)))
+    return fit_short_run(build(Config, inherit_role_sections(data), path or "config", problems=problems))
 
 
 _NOTED: set[str] = set()  # notices already printed by this process
