@@ -166,7 +166,7 @@ RULES = [
     (["optim.beta2=1.0"], 1, "optim.beta1 and optim.beta2 must be in [0, 1)"),
     (["optim.clip_grad=-1"], 1, "optim.clip_grad and optim.weight_decay must be >= 0"),
     (["optim.fused=true"], 1, "optim.fused needs a GPU with Transformer Engine (its FusedAdam)"),
-    (["lr_schedule.warmup_steps=50", "train.steps=50"], 1, "lr_schedule.warmup_steps (50) must be in [0, decay steps (50))"),
+    (["lr_schedule.warmup_steps=50", "lr_schedule.decay_steps=50"], 1, "lr_schedule.warmup_steps (50) must be in [0, decay steps (50))"),
     (["lr_schedule.warmup_steps=10", "lr_schedule.decay_steps=5"], 1, "lr_schedule.warmup_steps (10) must be in [0, decay steps (5))"),
     (["lr_schedule.style=wsd", "lr_schedule.wsd_decay_steps=0"], 1, "lr_schedule.wsd_decay_steps (0) must be in [1, "),
     (["lr_schedule.style=wsd", "lr_schedule.warmup_steps=10", "train.steps=50", "lr_schedule.wsd_decay_steps=41"], 1,
@@ -188,6 +188,23 @@ def test_validation_rule(monkeypatch, overrides, world, expect):
     errs = check_config(load_config(None, overrides), world_size=world, cuda=False)
     assert any(expect in e for e in errs), errs
     assert all("\n" not in e for e in errs)
+
+
+def test_a_run_shorter_than_its_warm_up_clamps_it_with_one_notice(monkeypatch, capsys):
+    """`train.steps=5` on tiny_sft's 20-step warm-up runs (warm-up over 4 steps), with one notice
+    per process; a decay_steps of the user's own stays a validation error."""
+    from megarl.config import loader
+
+    monkeypatch.setattr(validate_mod, "has_module", lambda name: False)
+    monkeypatch.setattr(loader, "_NOTED", set())
+    for _ in range(2):
+        cfg = load_config("configs/tiny_sft.yaml", ["train.steps=5"])
+        assert cfg.lr_schedule.warmup_steps == 4 and check_config(cfg, world_size=1, cuda=False) == []
+    assert capsys.readouterr().err.splitlines() == [
+        "megarl: note: lr_schedule.warmup_steps (20) is not below train.steps (5); warm-up clamped to 4 step(s)"]
+    assert load_config("configs/tiny_sft.yaml", ["train.steps=21"]).lr_schedule.warmup_steps == 20
+    cfg = load_config("configs/tiny_sft.yaml", ["train.steps=5", "lr_schedule.decay_steps=10"])
+    assert cfg.lr_schedule.warmup_steps == 20 and check_config(cfg, world_size=1, cuda=False)
 
 
 def test_dali_loader_without_dali(monkeypatch):
@@ -244,3 +261,23 @@ def test_wsd_schedule_warms_up_holds_then_decays_linearly():
         assert got[step - 1] == pytest.approx(1e-5 + (1e-3 - 1e-5) * (1 - (step - 70) / 30))
     default = lrs(LRScheduleConfig(style="wsd", warmup_steps=0), 100)
     assert default[79] == pytest.approx(1e-3) and default[80] < 1e-3 and default[-1] == pytest.approx(1e-5)
+
+
+def test_every_config_and_input_problem_is_reported_in_one_pass(tmp_path, capsys):
+    """A missing data file with a bad key, or with a broken rule: one error, one line each
+    (before: the first problem only, the next after it was fixed)."""
+    from megarl.cli.main import main
+
+    missing = tmp_path / "train.jsonl"
+    base = ["--config", "configs/tiny_sft.yaml", f"train.run_dir={tmp_path / 'run'}", f"data.train_path={missing}"]
+    assert main(["sft", *base, "optim.lrr=1", "model.hidden_size=abc"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "megarl: error: invalid config:" and len(lines) == 4, lines
+    assert "unknown key 'optim.lrr' (did you mean 'optim.lr'?)" in lines[1]
+    assert "'model.hidden_size' expects an int" in lines[2]
+    assert lines[3] == f"  data.train_path: {missing} does not exist"
+    assert main(["validate", *base, "train.steps=0"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["megarl: error: invalid config:", "  train.steps must be >= 1, got 0",
+                     f"  data.train_path: {missing} does not exist"], lines
+    assert not (tmp_path / "run").exists()

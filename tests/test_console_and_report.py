@@ -16,13 +16,17 @@ from megarl_run import env
 
 def test_banner_describes_each_stage_batch():
     from megarl.config import load_config
+    from megarl.trainers.pipeline import load_pipeline_config
     from megarl.trainers.session import _work
 
     rl = load_config("configs/tiny_grpo.yaml", ["data.global_batch_size=48"])
     line = _work(rl, "rl")
     assert line.startswith("60 steps of 16 prompts x 8 samples (up to 24 new tokens)") and "48" not in line
-    assert "eval: 64 prompts x 4 samples" in line
-    assert _work(rl, "eval") == "64 held-out prompts x 4 samples (up to 24 new tokens)"
+    assert "eval: 200 prompts x 4 samples" in line
+    assert _work(rl, "eval") == "200 held-out prompts x 4 samples (up to 24 new tokens)"
+    pipeline = load_pipeline_config("configs/tiny_pipeline.yaml")["rl"].rl  # `megarl eval` scores what the pipeline does
+    assert (pipeline.eval_prompts, pipeline.eval_samples, pipeline.eval_temperature) == \
+        (rl.rl.eval_prompts, rl.rl.eval_samples, rl.rl.eval_temperature)
     assert _work(load_config("configs/tiny_sft.yaml"), "sft").startswith("600 steps of 32 sequences x 128 tokens")
     assert _work(load_config("configs/tiny_rm.yaml"), "reward_model").startswith("150 steps of 128 pairs (2 x 128 tokens)")
 
@@ -101,7 +105,7 @@ def test_accuracy_names_say_which_accuracy():
 
 
 def test_report_keeps_a_flat_line_flat_and_draws_a_curve_once():
-    from megarl.tracking.report import merge_identical, y_limits
+    from megarl.tracking.report import y_limits
 
     flat = [0.6931, 0.6932, 0.6930, 0.6931]
     lo, hi = y_limits(flat)
@@ -111,10 +115,68 @@ def test_report_keeps_a_flat_line_flat_and_draws_a_curve_once():
     lr = [0.0, 1e-5, 2e-5]
     assert y_limits(lr) is None
 
-    s = {"reward/mean": ([1, 2], [0.25, 0.5]), "reward/accuracy": ([1, 2], [0.25, 0.5]),
+
+
+def test_report_draws_each_distinct_series_once_with_an_honest_label():
+    from megarl.tracking.report import group_identical, plot_panels
+
+    s = {"reward/mean": ([1, 2], [0.25, 0.5]), "reward/accuracy": ([1, 2], [0.25, 0.5 + 1e-12]),
          "reward/std": ([1, 2], [0.25, 0.4])}
-    assert merge_identical(s) == {"reward/accuracy = reward/mean": ([1, 2], [0.25, 0.5]),
-                                  "reward/std": ([1, 2], [0.25, 0.4])}
+    assert group_identical(s) == {"reward/accuracy\nreward/mean\n(2 metrics, identical values)": s["reward/accuracy"],
+                                  "reward/std": s["reward/std"]}
+    zeros, ones = ([1, 2, 3], [0.0, 0.0, 0.0]), ([1, 2, 3], [1.0, 1.0, 1.0])
+    actor = group_identical({"actor/clip_fraction": zeros, "actor/skipped_minibatches": zeros, "actor/minibatches": ones})
+    assert list(actor) == ["actor/clip_fraction\nactor/skipped_minibatches\n(2 metrics, all 0 throughout)",
+                           "actor/minibatches"]
+    assert group_identical({"a": ([1, 2], [0.0, 0.0]), "b": ([2, 3], [0.0, 0.0])}).keys() == {"a", "b"}  # other steps
+    # a fraction and a count that coincide are drawn on a plain axis, not a 0-1 one
+    assert plot_panels(actor) == [(None, list(actor))]
+
+
+def test_report_keeps_a_pair_accuracy_off_the_rewards_axis_and_labels_every_axis():
+    from megarl.tracking.report import family_figure, plot_panels
+
+    rm = {"eval/pair_accuracy": ([10, 20], [0.6, 0.9]), "eval/reward_chosen": ([10, 20], [1.0, 3.9]),
+          "eval/reward_rejected": ([10, 20], [-1.0, -3.2]), "eval/loss": ([10, 20], [0.6, 0.3])}
+    assert plot_panels(rm) == [(None, ["eval/loss", "eval/reward_chosen", "eval/reward_rejected"]),
+                               ("share (0-1)", ["eval/pair_accuracy"])]
+    memory = {f"memory/{r}_device_gib": ([1, 2], [1.5, 2.0]) for r in ("actor", "generate", "peak", "train_actor")}
+    memory["memory/host_gib"] = ([1, 2], [0.0, 0.0])
+    for series in (rm, memory):
+        fig = family_figure("t", series)
+        renderer = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            assert ax.get_ylabel() not in ("", None)
+            legend, box = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+            assert legend.x0 >= box.x1 and legend.y1 <= box.y1 + 1  # right of its panel, not over the lines
+        assert [ax.get_ylabel() for ax in family_figure("m", memory).axes] == ["GiB"]
+
+
+def test_report_overview_shows_what_an_rl_user_looks_at_first():
+    from megarl.tracking.report import overview_panels
+
+    keys = {"eval/pass_at_16", "eval/pass_at_1", "eval/pass_at_4", "reward/mean", "reward/std", "kl/mean",
+            "actor/entropy", "rollout/response_len_mean", "eval/mean_at_4", "train/lr"}
+    assert overview_panels(keys) == [
+        ("held-out pass@k", ["eval/pass_at_1", "eval/pass_at_4", "eval/pass_at_16"]), ("reward", ["reward/mean"]),
+        ("KL to the reference", ["kl/mean"]), ("response length (tokens)", ["rollout/response_len_mean"]),
+        ("entropy", ["actor/entropy"])]
+    assert overview_panels({"train/loss", "eval/loss"}) == []  # an SFT run: no overview
+
+
+def test_report_best_follows_each_metrics_direction():
+    from megarl.tracking.report import direction
+
+    assert {k: direction(k) for k in ("train/loss", "eval/pair_accuracy", "eval/reward_gap", "eval/pass_at_1",
+                                      "reward/mean", "critic/explained_variance", "actor/skipped_minibatches",
+                                      "train/reward_rejected", "eval/reward_chosen", "kl/mean", "actor/entropy",
+                                      "rollout/response_len_mean", "train/lr", "memory/peak_device_gib",
+                                      "actor/clip_fraction", "train/grad_norm")} == {
+        "train/loss": "lower", "eval/pair_accuracy": "higher", "eval/reward_gap": "higher",
+        "eval/pass_at_1": "higher", "reward/mean": "higher", "critic/explained_variance": "higher",
+        "actor/skipped_minibatches": "lower", "train/reward_rejected": None, "eval/reward_chosen": None,
+        "kl/mean": None, "actor/entropy": None, "rollout/response_len_mean": None, "train/lr": None,
+        "memory/peak_device_gib": None, "actor/clip_fraction": None, "train/grad_norm": None}
 
 
 def test_report_params_are_the_stages_own(tmp_path):
@@ -151,3 +213,16 @@ def test_python_api_prints_no_megatron_notices(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     for notice in ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope"):
         assert notice not in out.stderr + out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine without kernels the line is a warning")
+def test_a_cpu_run_prints_nothing_about_cuda_kernels(monkeypatch, caplog):
+    """Expected on CPU, so not in every stage's output (`megarl doctor` reports the kernels)."""
+    import logging
+
+    from megarl.ops import _ext
+
+    monkeypatch.setattr(_ext, "_ext", _ext._UNLOADED)
+    caplog.set_level(logging.DEBUG, logger="megarl.ops")
+    assert _ext.load() is None and _ext.load() is None
+    assert [r.levelno for r in caplog.records if "CUDA kernels unavailable" in r.getMessage()] == [logging.DEBUG]

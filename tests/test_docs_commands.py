@@ -106,6 +106,7 @@ def python_snippets():
 # Placeholders in the docs -> what stands for them in the scratch directory.
 PLACEHOLDERS = {
     "runs/x": "runs/quickstart",  # "some run dir": the shared tiny run
+    "runs/mine": "runs/quickstart",  # the README's "Using it" run dir: the shared tiny run
     "R": "runs/quickstart",  # docs/benchmarks.md: the run dir of the commands above
     "R2": "runs/r2",
     "N": "300", "S": "30", "E": "10",  # step counts and intervals (values the docs used)
@@ -360,26 +361,30 @@ COMMANDS = {
                                       Validate(command="megarl pipeline --config configs/tiny_pipeline.yaml")),
     "tests/run.sh": (Script(),),
     # ---- README.md: using it (one shared tiny run dir: runs/quickstart)
-    "megarl sft --config configs/tiny_sft.yaml optim.lr=1e-3 train.steps=100":
+    "megarl sft --config configs/tiny_sft.yaml train.run_dir=runs/mine optim.lr=1e-3 train.steps=100":
         (Run("sft", extra=(*TINY, "train.steps=2"), writes=("runs/quickstart/sft/checkpoints/latest",)),),
-    "launchers/local/run.sh 4 sft configs/tiny_sft.yaml parallel.tp=2 parallel.pp=2": (Validate(), Script()),
-    "megarl rm --config configs/tiny_rm.yaml":
+    "launchers/local/run.sh 4 sft configs/tiny_sft.yaml train.run_dir=runs/tp2pp2 parallel.tp=2 parallel.pp=2":
+        (Validate(), Script()),
+    "megarl rm --config configs/tiny_rm.yaml train.run_dir=runs/mine":
         (Run("rm", needs=("sft",), extra=(*TINY, "train.steps=1"),
              writes=("runs/quickstart/reward_model/checkpoints/latest",)),),
-    "megarl rl --config configs/tiny_grpo.yaml":
+    "megarl rl --config configs/tiny_grpo.yaml train.run_dir=runs/mine":
         (Run("grpo", needs=("sft",), extra=TINY_RL, writes=("runs/quickstart/rl/checkpoints/latest",)),),
-    "megarl rl --config configs/tiny_ppo.yaml":  # in a copy of the run dir: rl/ holds the GRPO run
+    "megarl rl --config configs/tiny_ppo.yaml train.run_dir=runs/ppo":  # its sft/ and reward_model/: the shared run's
         (Run("ppo", needs=("rm",), before=_copy_run("runs/quickstart", "runs/ppo"),
              extra=(*TINY_RL, "train.run_dir=runs/ppo", "tracking.backend=none"),
              writes=("runs/ppo/rl/checkpoints/latest",)),),
-    "megarl rl --config configs/tiny_dapo.yaml":  # in a copy of the run dir: rl/ holds the GRPO run
+    "megarl rl --config configs/tiny_dapo.yaml train.run_dir=runs/dapo":  # its sft/: the shared run's
         (Run("dapo", needs=("sft",), before=_copy_run("runs/quickstart", "runs/dapo", ("data", "sft")),
              extra=(*TINY_RL, "train.run_dir=runs/dapo", "tracking.backend=none"),
              writes=("runs/dapo/rl/checkpoints/latest",)),),
-    "megarl pipeline --config configs/tiny_pipeline.yaml [--stages rm,rl]":  # both finished above: skipped
-        (Run(needs=("rm", "grpo"), extra=(*TINY_MODEL, "stages.rm.train.steps=1", "stages.rl.train.steps=1"),
-             prints="rl: already complete"), Validate()),
-    "megarl eval --config configs/tiny_grpo.yaml --checkpoint runs/quickstart/rl/checkpoints":
+    # in a copy holding the shared run's SFT: the shared run's rm/ and rl/ were trained with other
+    # settings than the pipeline's, which it refuses (test_pipeline.py: finished stages skipped)
+    "megarl pipeline --config configs/tiny_pipeline.yaml [--stages rm,rl]":
+        (Run(needs=("sft",), before=_copy_run("runs/quickstart", "runs/pipeline", ("data", "sft")),
+             extra=(*TINY_RL, "train.run_dir=runs/pipeline", "tracking.backend=none"),
+             prints="to run: rm 1 steps, rl 1 steps", writes=("runs/pipeline/rl/checkpoints/latest",)), Validate()),
+    "megarl eval --config configs/tiny_grpo.yaml --checkpoint rl train.run_dir=runs/mine":
         (Run(needs=("grpo",), extra=TINY_EVAL, writes=("runs/quickstart/eval/results.json",)),),
     "megarl validate --config configs/llama31_8b_grpo.yaml --world-size 8 --stage rl":
         (Validate(absent_inputs=True),),  # /models/Llama-3.1-8B-Instruct, /data/gsm8k: not on a CI box
@@ -394,7 +399,7 @@ COMMANDS = {
              prints="actor initialised from models/Qwen2-0.5B", writes=("runs/qwen2_grpo/rl/checkpoints/latest",)),),
     "megarl convert megarl-to-hf --checkpoint runs/qwen2_grpo/rl/checkpoints --out runs/qwen2_grpo/hf --arch qwen2":
         (Run(needs=("hf_rl",), writes=("runs/qwen2_grpo/hf/tokenizer.json",)),),
-    "megarl report runs/quickstart":
+    "megarl report runs/mine":
         (Run(needs=("sft", "rm", "grpo"), writes=("runs/quickstart/report/report.md",)),),
     "sbatch -N 4 launchers/slurm/megarl.sbatch rl configs/my_grpo.yaml": (Script(), Validate(needs=("sft",))),
     # ---- README.md: on a GPU cluster (the GPU half runs only where a GPU is: its options here)

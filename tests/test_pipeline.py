@@ -122,7 +122,7 @@ def test_pipeline_stages_are_the_tiny_recipes():
 
     stages = load_pipeline_config("configs/tiny_pipeline.yaml", [])
     for stage, recipe, differ in (("sft", "tiny_sft", {}), ("rm", "tiny_rm", {}),
-                                  ("rl", "tiny_grpo", {"eval_prompts": (200, 64), "old_logprobs": ("rollout", "recompute")})):
+                                  ("rl", "tiny_grpo", {"old_logprobs": ("rollout", "recompute")})):
         mine, theirs = asdict(stages[stage]), asdict(load_config(f"configs/{recipe}.yaml"))
         assert {k: (mine["rl"][k], theirs["rl"][k]) for k in mine["rl"] if mine["rl"][k] != theirs["rl"][k]} == differ
         mine["rl"], theirs["rl"] = {}, {}
@@ -154,14 +154,14 @@ def test_pipeline_config_sections_and_overrides(tmp_path):
 
 
 def test_pipeline_checks_every_stage_before_the_first_step(tmp_path):
-    """A rule broken in a later stage (RM warm-up >= its steps) stops the pipeline before SFT
+    """A rule broken in a later stage (RM warm-up >= its decay steps) stops the pipeline before SFT
     trains, in one message that names the stage, as `megarl validate` does."""
-    for args in (pipeline_args(tmp_path / "run", "stages.rm.lr_schedule.warmup_steps=5"),
-                 ["validate", "--config", "configs/tiny_pipeline.yaml", *TINY, "stages.rm.lr_schedule.warmup_steps=5"]):
+    for args in (pipeline_args(tmp_path / "run", "stages.rm.lr_schedule.decay_steps=1"),
+                 ["validate", "--config", "configs/tiny_pipeline.yaml", *TINY, "stages.rm.lr_schedule.decay_steps=1"]):
         out = subprocess.run(command(args), capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)
         assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
         assert "configs/tiny_pipeline.yaml (stage rm): invalid config:" in out.stderr, out.stderr[-2000:]
-        assert "lr_schedule.warmup_steps (5) must be in [0, decay steps (2))" in out.stderr
+        assert "lr_schedule.warmup_steps (1) must be in [0, decay steps (1))" in out.stderr
         assert "Traceback" not in out.stderr
     assert not (tmp_path / "run" / "sft").exists()
 
@@ -187,3 +187,33 @@ def test_progress_line_shows_the_pipeline_stage_and_a_run_eta(capsys):
         progress.update({"train/loss": 1.0})
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rm step")]
     assert len(lines) == 2 and "; stage 2/3, run 2) | loss 1" in lines[0] and lines[1].startswith("rm step 4/4 (100%")
+
+
+def test_a_finished_stage_asked_for_with_other_settings_stops_and_names_them(tmp_path, monkeypatch, capsys):
+    """The README's `megarl sft ... optim.lr=1e-3 train.steps=100` rerun into the quickstart's run
+    dir (SFT done at step 600): one line naming the keys and the way out, exit 2 (before:
+    `already complete (step 600 of 100)`, exit 0, the lr unused). The same settings, or ones that
+    do not change what it trains, pass; the pipeline refuses alike instead of skipping."""
+    from megarl.checkpoint import distributed
+    from megarl.cli.main import main
+    from megarl.config import ConfigError, load_config, save_config
+    from megarl.trainers.pipeline import Pipeline
+
+    run = tmp_path / "run"
+    step_dir = run / "sft" / "checkpoints" / "step_00000600"
+    step_dir.mkdir(parents=True)
+    save_config(load_config("configs/tiny_sft.yaml", [f"train.run_dir={run}"]), str(run / "sft" / "config.yaml"))
+    monkeypatch.setattr(distributed, "latest_checkpoint",
+                        lambda root: str(step_dir) if os.path.samefile(os.path.dirname(step_dir), root) else None)
+    base = ["--config", "configs/tiny_sft.yaml", f"train.run_dir={run}"]
+    assert main(["sft", *base, "optim.lr=1e-3", "train.steps=100"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"megarl: error: sft: already complete in {run / 'sft'} (step 600) "
+                                               "with another config: "), err
+    assert "optim.lr (0.003 there, 0.001 asked), train.steps (600 there, 100 asked)" in err[0]
+    assert err[0].endswith("use a new train.run_dir, or checkpoint.resume=false to train it again there")
+    for same in ([], ["train.log_interval=1", "train.eval_interval=7", "sft.eval_samples=2"]):
+        assert main(["validate", "--stage", "sft", *base, *same]) == 0, capsys.readouterr().err
+    assert main(["validate", "--stage", "sft", *base, "optim.lr=1e-3", "checkpoint.resume=false"]) == 0
+    with pytest.raises(ConfigError, match=r"^sft: already complete .* optim.lr \(0.003 there, 0.001 asked\)"):
+        Pipeline("configs/tiny_pipeline.yaml", [f"train.run_dir={run}", "stages.sft.optim.lr=1e-3"]).run(["sft"])

@@ -149,6 +149,76 @@ def test_resume_continues_same_run_and_keeps_changed_params(tmp_path, store_uri)
     assert json.loads(run.data.tags["megarl.changed_params"]) == {"optim.lr": ["0.1", "0.05"]}
 
 
+def test_backfill_logs_only_the_points_the_run_lacks(tmp_path, store_uri):
+    """A killed process delivered steps 1-2 of `a` and nothing of `b`; metrics.jsonl holds 1-4.
+    The resumed tracker logs what is missing, once, and later steps as usual."""
+    from megarl.tracking.delivery import missing_points, read_points
+
+    run_dir = tmp_path / "run"
+    t1 = Tracker.start(run_dir, uri=store_uri, **FAST)
+    for s in (1, 2):
+        t1.log_metrics({"a": float(s)}, step=s)
+    assert t1.close("KILLED")
+    lines = [{"step": s, "a": float(s), "b/x": 10.0 + s, "note": "text"} for s in range(1, 5)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 5, "a"')
+    assert read_points(run_dir / "metrics.jsonl", 3) == {"a": {1: 1.0, 2: 2.0, 3: 3.0}, "b/x": {1: 11.0, 2: 12.0, 3: 13.0}}
+    assert missing_points({"a": {1: 1.0, 2: 2.0}, "b": {2: 5.0}}, {"a": {1}}) == [("a", 2, 2.0), ("b", 2, 5.0)]
+    for _ in range(2):  # a second resume backfills nothing more
+        t2 = Tracker.start(run_dir, uri=store_uri, **FAST)
+        t2.backfill(run_dir / "metrics.jsonl", 4)
+        t2.log_metrics({"a": 4.5, "b/x": 14.5}, step=4)  # a step the file already holds: kept as it is
+        t2.log_metrics({"a": 5.0}, step=5)
+        assert t2.close()
+    client = MlflowClient(store_uri)
+    assert history(client, t1.run_id, "a") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0)]
+    assert history(client, t1.run_id, "b/x") == [(s, 10.0 + s) for s in range(1, 5)]
+
+
+@pytest.mark.slow
+def test_sigkilled_runs_resumed_leave_every_metrics_jsonl_point_in_mlflow_once(tmp_path):
+    """A real SFT run (embedded store) SIGKILLed at three random steps, then resumed to the end:
+    MLflow holds each (key, step) of metrics.jsonl exactly once, nothing else, and the values
+    of every figure but the wall-clock ones (perf/) equal the file's."""
+    import os
+    import random
+    import signal
+    import subprocess
+
+    from megarl_run import TINY, command, env, metrics
+
+    run = tmp_path / "run"
+    total = 16
+    args = ["sft", "--config", "configs/tiny_sft.yaml", f"train.run_dir={run}", *TINY, "tracking.backend=mlflow",
+            f"train.steps={total}", "train.eval_interval=5", "sft.eval_samples=0", "checkpoint.save_interval=3"]
+    rng = random.Random(os.environ.get("PYTEST_SEED", 60))
+    for target in sorted(rng.sample(range(2, total), 3)):
+        proc = subprocess.Popen(command(args), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        path = run / "sft" / "metrics.jsonl"
+        while not (path.exists() and any(m.get("step", 0) >= target for m in metrics(run / "sft"))):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0, 0.3))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    done = subprocess.run(command(args), env=env(), capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    want: dict = {}
+    for record in metrics(run / "sft", wall_clock=True):
+        for k, v in record.items():
+            if k != "step":
+                want.setdefault(sanitize_key(k), []).append((record["step"], float(v)))
+    assert [s for s, _ in want["train/loss"]] == list(range(1, total + 1))
+    client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+    run_id = json.loads((run / "sft" / "tracking.json").read_text())["run_id"]
+    for key, points in want.items():
+        got = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        assert [s for s, _ in got] == [s for s, _ in points], key  # each step once, none missing
+        if not key.startswith("perf/"):
+            assert got == points, key
+
+
 def test_scale_panels_keep_small_series_readable():
     from megarl.tracking.report import scale_panels
 
@@ -193,7 +263,8 @@ def test_nested_runs_and_report(tmp_path, store_uri):
     assert imread(out / "rl__eval.png").shape[0] > img.shape[0]  # pass@1 and lengths: two panels
     md = report.read_text()
     assert pipe.run_id in md and sft.run_id in md and "![loss](sft__loss.png)" in md
-    assert "| `eval/token_accuracy` | 0.95 (step 19) | 0.95 (step 19) | 4 |" in md
+    assert "| `eval/token_accuracy` | 0.95 (step 19) | higher | 0.95 (step 19) | 4 |" in md
+    assert "| `train/grad_norm` | 2.9 (step 19) | - | - | 20 |" in md  # no direction: no best
     # the child's own run dir reports just that run
     assert write_report(tmp_path / "pipe" / "sft", tmp_path / "sft_report").exists()
     assert (tmp_path / "sft_report" / "loss.png").exists()

@@ -142,11 +142,24 @@ def _memory_lines(cfg, args) -> list[str]:
 
 
 def _load(args):
-    from megarl.config import load_config, validate_config
+    """The config, checked in one pass: its keys and values, the cross-field rules and the
+    stage's inputs (data files, tokenizer, checkpoints); every problem found is one line of one
+    error. Inputs are checked where a key they depend on is wrong too, but not rules, whose
+    lines would be about the defaults standing in for the wrong keys."""
+    from megarl.config import ConfigError, check_config, load_config
+    from megarl.trainers.data_setup import preflight
 
-    cfg = load_config(args.config, args.overrides)
+    problems: list = []
+    cfg = load_config(args.config, args.overrides, problems)
     stage = args.stage if args.command == "validate" else args.command
-    validate_config(cfg, _world(args), stage=RULES.get(stage), device=_device(args))
+    bad = [key for key, _ in problems]
+    rules = [] if bad else check_config(cfg, _world(args), stage=RULES.get(stage), device=_device(args))
+    inputs = [line for line in preflight(cfg, stage) if not any(key in line for key in bad)]
+    errs = [msg for _, msg in problems] + rules + inputs
+    if len(errs) == 1 and not rules:
+        raise ConfigError(errs[0])
+    if errs:
+        raise ConfigError(("invalid config:\n  " if bad or rules else "cannot start:\n  ") + "\n  ".join(errs))
     return cfg
 
 
@@ -201,15 +214,12 @@ def run(args) -> int:
         run_eval(_load(args), checkpoint=args.checkpoint, hf=args.hf)
         return 0
     if args.command == "validate":
-        from megarl.trainers.data_setup import check_preflight
-
         if _is_pipeline_config(args):
             _validate_pipeline(args)
-        else:  # the memory estimate; then data, tokenizer, starting checkpoint: what a run would hit first
+        else:  # config, data, tokenizer, starting checkpoint (what a run would hit), then the memory estimate
             cfg = _load(args)
             for line in _memory_lines(cfg, args):
                 print(line, flush=True)
-            check_preflight(cfg, args.stage)
         source = "--world-size" if args.world_size is not None else "$WORLD_SIZE or 1"
         print(f"{args.config}: valid for world size {_world(args)} ({source})")
         return 0

@@ -10,6 +10,7 @@ import difflib
 import math
 import os
 import re
+import sys
 import typing
 from typing import Any, Literal, Union
 
@@ -174,29 +175,35 @@ def _dataclass_in(tp):
 # dict -> dataclass with type checks
 
 
-def build(cls, data: Any, where: str, prefix: str = ""):
-    """Construct dataclass `cls` from a mapping, checking every key and type."""
+def build(cls, data: Any, where: str, prefix: str = "", problems: list | None = None):
+    """Construct dataclass `cls` from a mapping, checking every key and type. problems: a list
+    to collect (key, message) in, leaving a bad key at its default, instead of raising."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'config'}' must be a mapping, got {_show(data)}")
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
         full = f"{prefix}{key}"
-        if key not in hints:
-            raise ConfigError(f"{where}: unknown key '{full}'{_suggest(str(key), hints, prefix.rstrip('.').split('.') if prefix else [])}")
-        kwargs[key] = _coerce(hints[key], value, where, full)
+        try:
+            if key not in hints:
+                raise ConfigError(f"{where}: unknown key '{full}'{_suggest(str(key), hints, prefix.rstrip('.').split('.') if prefix else [])}")
+            kwargs[key] = _coerce(hints[key], value, where, full, problems)
+        except ConfigError as e:
+            if problems is None:
+                raise
+            problems.append((full, str(e)))
     return cls(**kwargs)
 
 
-def _coerce(tp, value, where: str, key: str):
+def _coerce(tp, value, where: str, key: str, problems: list | None = None):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Union:  # Optional[X]
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, where, key)
+        return _coerce(inner[0], value, where, key, problems)
     if dataclasses.is_dataclass(tp):
-        return build(tp, value, where, key + ".")
+        return build(tp, value, where, key + ".", problems)
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{where}: '{key}' must be one of {', '.join(map(repr, args))}; got {_show(value)}")
@@ -235,18 +242,25 @@ def _show(value) -> str:
 # ---------------------------------------------------------------------------------------
 
 
-def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """The resolved, type-checked config (cross-field validation is `validate_config`)."""
+def load_config(path: str | None = None, overrides: list[str] | tuple = (), problems: list | None = None) -> Config:
+    """The resolved, type-checked config (cross-field validation is `validate_config`).
+    problems: collect (key, message) of every bad key or override in it, each left at its
+    default, instead of raising at the first (the CLI reports them all with the other checks)."""
     data = read_yaml(resolve_config_path(path)) if path else {}
     for o in from_hf_first(overrides):
-        data = apply_override(data, o)
-    return build_config(data, path or "config")
+        try:
+            data = apply_override(data, o)
+        except ConfigError as e:
+            if problems is None:
+                raise
+            problems.append((o.partition("=")[0].strip(), str(e)))
+    return fit_short_run(build_config(data, path or "config", problems=problems))
 
 
-def build_config(data: dict, where: str) -> Config:
+def build_config(data: dict, where: str, problems: list | None = None) -> Config:
     """The typed Config of merged YAML data: role sections inherited, model.from_hf resolved."""
     data = inherit_role_sections(data)
-    return resolve_from_hf(build(Config, data, where), data, where)
+    return resolve_from_hf(build(Config, data, where, problems=problems), data, where)
 
 
 def resolve_from_hf(cfg: Config, data: dict, where: str) -> Config:
@@ -273,6 +287,24 @@ def resolve_from_hf(cfg: Config, data: dict, where: str) -> Config:
                               + f", {key}.".join(diff) + f"; remove the key or make it agree (another model: "
                               f"{key}.from_hf: null)")
         owner.model = dataclasses.replace(mc, **{k: getattr(hf, k) for k in HF_MODEL_FIELDS})
+    return cfg
+
+
+_NOTED: set[str] = set()  # notices already printed by this process
+
+
+def fit_short_run(cfg: Config, where: str = "") -> Config:
+    """A run shorter than its recipe's warm-up (`train.steps=5` on a 20-step warm-up) warms up
+    over all but its last step instead of failing; one notice says so. With
+    lr_schedule.decay_steps set, the schedule is the user's own and is left to validation."""
+    s, steps = cfg.lr_schedule, cfg.train.steps
+    if s.decay_steps is None and steps >= 1 and s.warmup_steps >= steps:
+        note = (f"megarl: note: {where}lr_schedule.warmup_steps ({s.warmup_steps}) is not below train.steps "
+                f"({steps}); warm-up clamped to {steps - 1} step(s)")
+        cfg.lr_schedule = dataclasses.replace(s, warmup_steps=steps - 1)
+        if note not in _NOTED and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+            _NOTED.add(note)
+            print(note, file=sys.stderr, flush=True)
     return cfg
 
 

@@ -1,7 +1,8 @@
 """Lazy handle on the compiled CUDA kernels (megarl._C).
 
 The extension is imported on first use, not at `import megarl`, and when it cannot be used the
-reason is logged once on the `megarl.ops` logger; every op then runs its torch path. Setting
+reason is logged once on the `megarl.ops` logger (a warning on a GPU machine; on CPU, where it is
+expected, at debug level); every op then runs its torch path. Setting
 MEGARL_DISABLE_KERNELS=1 forces the torch path (for A/B checks on a GPU machine).
 """
 import logging
@@ -32,8 +33,9 @@ def load():
     if _ext is _UNLOADED:
         _ext, reason = _import()
         if _ext is None:
-            # Only a GPU machine without kernels deserves a warning; on CPU it is expected.
-            level = logging.WARNING if torch.cuda.is_available() else logging.INFO
+            # Only a GPU machine without kernels deserves a line; on CPU it is expected, and
+            # `megarl doctor` reports the kernels' state.
+            level = logging.WARNING if torch.cuda.is_available() else logging.DEBUG
             logger.log(level, "megarl: CUDA kernels unavailable (%s); using the torch path", reason)
     return _ext
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .params import MAX_TAG_VALUE_LEN, truncate
+from .params import MAX_TAG_VALUE_LEN, metric_value, sanitize_key, truncate
 from .state import RunState
 from .store import prepare_store
 
@@ -56,6 +56,36 @@ def default_artifact_location(uri: str) -> str | None:
         db_path = uri[len("sqlite:///"):]
         return Path(db_path).resolve().parent.joinpath("mlartifacts").as_uri()
     return None  # a tracking server (or other database) decides where artifacts go
+
+
+def read_points(path: str, upto: int) -> dict[str, dict[int, float]]:
+    """{MLflow key: {step: value}} of a metrics.jsonl's records with step <= upto, keyed and
+    valued as `Tracker.log_metrics` would log them; a torn or unreadable line is skipped."""
+    out: dict[str, dict[int, float]] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return out
+    for line in lines:
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if step > upto:
+            continue
+        for k, v in record.items():
+            value = metric_value(v) if k != "step" else None
+            if value is not None:
+                out.setdefault(sanitize_key(k), {})[step] = value
+    return out
+
+
+def missing_points(wanted: dict[str, dict[int, float]], have: dict[str, set[int]]) -> list[tuple[str, int, float]]:
+    """(key, step, value) of each wanted point whose (key, step) the store does not hold."""
+    return [(k, s, v) for k, points in sorted(wanted.items()) for s, v in sorted(points.items())
+            if s not in have.get(k, ())]
 
 
 class MlflowSink:
@@ -213,9 +243,31 @@ class MlflowSink:
                 elif kind == "status":
                     if replay_status:
                         self.client.set_terminated(run_id, op["status"], end_time=op["ts"])
+                elif kind == "backfill":
+                    self._backfill(run_id, op["path"], op["upto"], op["ts"])
                 else:
                     log.warning("megarl.tracking: unknown op %r dropped", kind)
         flush()
+
+    def _backfill(self, run_id: str, path: str, upto: int, ts: int) -> None:
+        """Log the points of metrics.jsonl (steps <= upto) that the run lacks: what a killed
+        process held in memory never reached the store, and the file is the durable record."""
+        from mlflow.entities import Metric
+
+        wanted = read_points(path, upto)
+        if not wanted:
+            return
+        stored = self.client.get_run(run_id).data.metrics
+        have = {k: {int(m.step) for m in self.client.get_metric_history(run_id, k)} for k in wanted if k in stored}
+        missing = missing_points(wanted, have)
+        for i in range(0, len(missing), MAX_METRICS_PER_CALL):
+            self.client.log_batch(run_id, metrics=[Metric(k, v, ts, s) for k, s, v in missing[i:i + MAX_METRICS_PER_CALL]],
+                                  synchronous=True)
+        for k, points in wanted.items():
+            self._logged_up_to[k] = max(self._logged_up_to.get(k, -1), max(points))
+        if missing:
+            log.info("megarl.tracking: %d metric points of %s were not in MLflow run %s; logged them",
+                     len(missing), path, run_id)
 
     def _new_params(self, data: dict[str, str]) -> dict[str, str]:
         """Params not yet on the run. MLflow params are immutable, so on resume a changed value

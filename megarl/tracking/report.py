@@ -26,7 +26,15 @@ _FAMILY_RULES = [
     ("kl", re.compile(r"(^|[/_.])kl($|[/_.])|entropy", re.I)),
     ("throughput", re.compile(r"tok(ens)?[_/]?(per[_/])?s(ec)?|throughput|samples_per|time|mfu", re.I)),
 ]
-_LOWER_IS_BETTER = re.compile(r"loss|perplexity|ppl|error|err\b|grad_norm|time", re.I)
+# Which way a metric improves, first match wins; a metric none names has no "best" (a reward
+# model's reward_rejected, a KL, an entropy, a length, a memory figure: a trade-off or a fact).
+_DIRECTIONS = [
+    ("neither", re.compile(r"reward_(chosen|rejected)|reward/std|sq_mean|(^|/)kl|entropy|_len|memory|/ratio|"
+                           r"clip_fraction|(^|/)minibatches$|lr$", re.I)),
+    ("lower", re.compile(r"loss|perplexity|ppl|error|err\b|skipped|failed|overlong|padding_waste|(_s|time)$", re.I)),
+    ("higher", re.compile(r"accuracy|pass_at|mean_at|exact_match|reward|return|explained_variance|per_s$|success",
+                          re.I)),
+]
 _PARAM_HIGHLIGHTS = re.compile(
     r"(^|\.)(lr|learning_rate|min_lr|warmup\w*|weight_decay|seed|steps|max_steps|epochs|"
     r"\w*batch_size|seq_len\w*|max_seq\w*|tensor_model_parallel_size|pipeline_model_parallel_size|"
@@ -49,6 +57,33 @@ def metric_family(key: str) -> str:
                 return "system_memory" if key.endswith("_gib") else "system_utilization"
             return family
     return key.split("/", 1)[0] if "/" in key else "other"
+
+
+def direction(key: str) -> str | None:
+    """"higher" or "lower" when that way is better for metric `key`, else None (no "best")."""
+    for way, rule in _DIRECTIONS:
+        if rule.search(key):
+            return None if way == "neither" else way
+    return None
+
+
+# What a panel's y axis measures, first match wins: values of different kinds never share an
+# axis (a pair accuracy in [0, 1] is not drawn on a reward's scale).
+_UNITS = [
+    ("GiB", re.compile(r"_gib$")),
+    ("tokens/s", re.compile(r"tokens_per_s")),
+    ("seconds", re.compile(r"(_s|time)$")),
+    ("share (0-1)", re.compile(r"accuracy|pass_at|fraction|exact_match|success|waste|stopped", re.I)),
+    ("tokens", re.compile(r"_len(_|$)|tokens", re.I)),
+]
+
+
+def metric_unit(key: str) -> str | None:
+    """The y-axis label `key` needs (GiB, seconds, a 0-1 share, ...), or None for a plain value."""
+    for unit, rule in _UNITS:
+        if rule.search(key):
+            return unit
+    return None
 
 
 def _fmt(v: float) -> str:
@@ -87,14 +122,46 @@ def stage_params(params: dict[str, str], stage: str | None) -> dict[str, str]:
             and k not in _UNUSED.get(stage, ()) and not (k.startswith("roles.") and v == "None")}
 
 
-def merge_identical(series: dict[str, tuple[list, list]]) -> dict[str, tuple[list, list]]:
-    """Series with the same steps and values drawn once, labelled `a = b` (reward/mean and
-    reward/accuracy of a 0/1 reward are one curve)."""
-    groups: dict[tuple, list[str]] = {}
+def same_series(a: tuple[list, list], b: tuple[list, list]) -> bool:
+    """Same steps and values within float noise (a mean logged twice under two names)."""
+    (sa, va), (sb, vb) = a, b
+    return list(sa) == list(sb) and all(
+        x == y or math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-12) or (math.isnan(x) and math.isnan(y))
+        for x, y in zip(va, vb))
+
+
+def group_identical(series: dict[str, tuple[list, list]]) -> dict[str, tuple[list, list]]:
+    """{legend label: series}: each distinct series once; several keys with the same values are
+    one line whose label names them all, one per line, and says that they coincide (a constant
+    is named: zero clip fraction and zero skipped mini-batches are two facts, not one metric)."""
+    groups: list[list[str]] = []
     for key in sorted(series):
-        steps, values = series[key]
-        groups.setdefault((tuple(steps), tuple(values)), []).append(key)
-    return {" = ".join(keys): series[keys[0]] for keys in groups.values()}
+        for keys in groups:
+            if same_series(series[keys[0]], series[key]):
+                keys.append(key)
+                break
+        else:
+            groups.append([key])
+    out = {}
+    for keys in groups:
+        values = [v for v in series[keys[0]][1] if not math.isnan(v)]
+        if len(keys) == 1:
+            out[keys[0]] = series[keys[0]]
+            continue
+        same = f"all {_fmt(values[0])} throughout" if values and min(values) == max(values) else "identical values"
+        out["\n".join(keys) + f"\n({len(keys)} metrics, {same})"] = series[keys[0]]
+    return out
+
+
+def plot_panels(series: dict[str, tuple[list, list]]) -> list[tuple[str | None, list[str]]]:
+    """(y unit, keys) of each panel: keys (or group_identical labels) of one unit only
+    (metric_unit), then of like magnitude (scale_panels); plain values first, then each unit."""
+    by_unit: dict[str | None, dict] = {}
+    for key, s in series.items():  # a group_identical label: its metrics' unit if they share one
+        units = {metric_unit(k) for k in key.split("\n")[:-1] or [key]}
+        by_unit.setdefault(units.pop() if len(units) == 1 else None, {})[key] = s
+    order = [None] + [u for u, _ in _UNITS]
+    return [(unit, keys) for unit in order if unit in by_unit for keys in scale_panels(by_unit[unit])]
 
 
 def y_limits(values: list[float], min_span: float = MIN_SPAN) -> tuple[float, float] | None:
@@ -112,29 +179,38 @@ def y_limits(values: list[float], min_span: float = MIN_SPAN) -> tuple[float, fl
     return mid - span / 2, mid + span / 2
 
 
-def _plot_family(path: Path, title: str, series: dict[str, tuple[list, list]]) -> None:
+def family_figure(title: str, series: dict[str, tuple[list, list]]):
+    """One family's figure: a panel per unit and magnitude, each with its y label, the legend
+    to the right of its panel (never over the lines, nor cut off: saved with a tight box)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    series = merge_identical(series)
-    panels = scale_panels(series)
+    series = group_identical(series)
+    panels = [(unit, {k: series[k] for k in keys}) for unit, keys in plot_panels(series)]
     fig = Figure(figsize=(7, 1.0 + 3.0 * len(panels)), dpi=100)
     FigureCanvasAgg(fig)
-    for i, keys in enumerate(panels):
+    for i, (unit, group) in enumerate(panels):
         ax = fig.add_subplot(len(panels), 1, i + 1)
-        for key in keys:
-            steps, values = series[key]
-            ax.plot(steps, values, label=key, marker="o" if len(steps) < 20 else None, markersize=3)
-        limits = y_limits([v for key in keys for v in series[key][1]])
+        for label, (steps, values) in group.items():
+            ax.plot(steps, values, label=label, marker="o" if len(steps) < 20 else None, markersize=3)
+        limits = y_limits([v for _, values in group.values() for v in values])
         if limits is not None:
             ax.set_ylim(*limits)
         if i == 0:
             ax.set_title(title)
         ax.set_xlabel("step")
+        ax.set_ylabel(unit or _short_name(list(group)))
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="best")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    fig.savefig(path)
+    return fig
+
+
+def _short_name(labels: list[str]) -> str:
+    """A plain-value panel's y label: its metric's name without the section (`loss`), or `value`
+    when the panel holds several."""
+    names = {label.split("\n")[0].rsplit("/", 1)[-1] for label in labels if "\n" not in label}
+    return names.pop() if len(names) == 1 and len(labels) == 1 else "value"
 
 
 def _run_section(client, run, out_dir: Path, prefix: str) -> list[str]:
@@ -165,23 +241,73 @@ def _run_section(client, run, out_dir: Path, prefix: str) -> list[str]:
         steps, values = [m.step for m in hist], [m.value for m in hist]
         family = metric_family(key)
         families[family][key] = (steps, values)
-        if family in ("lr", "throughput"):  # schedules and speeds have no "best"
-            summary.append(f"| `{key}` | {_fmt(values[-1])} (step {steps[-1]}) | - | {len(values)} |")
-        elif not family.startswith("system"):
-            finite = [(v, s) for v, s in zip(values, steps) if not math.isnan(v)]
-            better = min if _LOWER_IS_BETTER.search(key) else max
-            best_v, best_s = better(finite) if finite else (float("nan"), None)
-            summary.append(f"| `{key}` | {_fmt(values[-1])} (step {steps[-1]}) | "
-                           f"{_fmt(best_v)} (step {best_s}) | {len(values)} |")
+        if family.startswith("system"):
+            continue
+        way = direction(key) if family not in ("lr", "throughput") else None  # schedules, speeds: no best
+        finite = [(v, s) for v, s in zip(values, steps) if not math.isnan(v)]
+        best = "-"
+        if way and finite:
+            sign = 1 if way == "higher" else -1  # the best value, first reached at its earliest step
+            best_v, best_s = max(finite, key=lambda vs: (sign * vs[0], -vs[1]))
+            best = f"{_fmt(best_v)} (step {best_s})"
+        summary.append(f"| `{key}` | {_fmt(values[-1])} (step {steps[-1]}) | {way or '-'} | {best} | {len(values)} |")
     if summary:
-        lines += ["", "### Metrics", "", "| metric | final | best | points |", "|---|---|---|---|", *summary]
+        lines += ["", "### Metrics", "", "better: which way a metric improves; no best where neither way is better",
+                  "", "| metric | final | better | best | points |", "|---|---|---|---|---|", *summary]
     if families:
         lines += ["", "### Plots", ""]
     for family in sorted(families):
         png = out_dir / f"{prefix}{family}.png"
-        _plot_family(png, f"{info.run_name}: {family}", families[family])
+        family_figure(f"{info.run_name}: {family}", families[family]).savefig(png, bbox_inches="tight")
         lines.append(f"![{family}]({png.name})")
     return lines + [""]
+
+
+# The overview at the top of report.md: what a user of an RL run looks at first.
+OVERVIEW = (("held-out pass@k", re.compile(r"^eval/pass_at_\d+$")), ("reward", re.compile(r"^reward/mean$")),
+            ("KL to the reference", re.compile(r"^kl/mean$")),
+            ("response length (tokens)", re.compile(r"^rollout/response_len_mean$")),
+            ("entropy", re.compile(r"^actor/entropy$")))
+
+
+def overview_panels(keys) -> list[tuple[str, list[str]]]:
+    """(title, metric keys) of each overview panel the run has metrics for, in OVERVIEW's order;
+    pass@1 first among the pass@k."""
+    def order(k):
+        tail = k.rsplit("_", 1)[-1]
+        return (int(tail) if tail.isdigit() else 0, k)
+
+    return [(title, sorted((k for k in keys if rule.search(k)), key=order)) for title, rule in OVERVIEW
+            if any(rule.search(k) for k in keys)]
+
+
+def _overview(client, runs, out: Path) -> list[str]:
+    """overview.png of the first run with RL's figures (the rl stage of a pipeline) and its line."""
+    rl = next((r for r in runs if overview_panels(r.data.metrics) and "reward/mean" in r.data.metrics), None)
+    if rl is None:
+        return []
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = overview_panels(rl.data.metrics)
+    fig = Figure(figsize=(11, 3.2 * ((len(panels) + 1) // 2)), dpi=100)
+    FigureCanvasAgg(fig)
+    for i, (title, keys) in enumerate(panels):
+        ax = fig.add_subplot((len(panels) + 1) // 2, 2, i + 1)
+        for key in keys:
+            hist = sorted(client.get_metric_history(rl.info.run_id, key), key=lambda m: (m.step, m.timestamp))
+            steps = [m.step for m in hist]
+            ax.plot(steps, [m.value for m in hist], label=key.split("/", 1)[1].replace("_at_", "@"),
+                    marker="o" if len(steps) < 20 else None, markersize=3)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(f"{rl.info.run_name} step")
+        ax.set_ylabel(title.split(" (")[0] if "pass" not in title else "share of prompts (0-1)")
+        ax.grid(True, alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "overview.png", bbox_inches="tight")
+    return [f"![overview: {', '.join(t for t, _ in panels)}](overview.png)", ""]
 
 
 def write_report(run_dir, out_dir=None, *, uri: str | None = None, include_children: bool = True) -> Path:
@@ -213,6 +339,7 @@ def write_report(run_dir, out_dir=None, *, uri: str | None = None, include_child
              f"- tracking store: `{uri}`", f"- run id: `{run.info.run_id}`",
              f"- view: `mlflow ui --backend-store-uri {uri}`" if uri.startswith("sqlite") else
              f"- view: {uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}", ""]
+    lines += _overview(client, runs, out)
     for i, r in enumerate(runs):
         prefix = "" if i == 0 else re.sub(r"[^\w.-]", "_", r.info.run_name or r.info.run_id) + "__"
         lines += _run_section(client, r, out, prefix)

@@ -8,6 +8,8 @@ possibly later"):
 * store slow or down mid-run: ops wait in memory (bounded; the overflow goes to
   `<run_dir>/tracking_spill.jsonl`) and are delivered in order once it answers again;
 * store down at start: the MLflow run is created as soon as the store answers;
+* the process killed (SIGKILL, OOM): what it held in memory is lost, so a resumed stage calls
+  `backfill` with its metrics.jsonl, and the points the run lacks are logged, once each;
 * `close()` waits up to `flush_timeout` seconds; what is still undelivered is appended to the
   spill file and replayed by the next `Tracker.start` on the same run dir (a resumed job), or
   explicitly with `python -m megarl.tracking replay RUN_DIR`.
@@ -179,6 +181,12 @@ class Tracker:
             step = int(step)
             self._last_step = max(self._last_step, step)
             self._put({"op": "metrics", "ts": int(time.time() * 1000), "step": step, "data": data})
+
+    def backfill(self, metrics_file: str | os.PathLike, upto_step: int) -> None:
+        """After a resume: log the points of `metrics_file` (metrics.jsonl) up to `upto_step`
+        that the run lacks, once each; a process killed before delivering its ops loses none."""
+        self._put({"op": "backfill", "path": str(Path(metrics_file).resolve()), "upto": int(upto_step),
+                   "ts": int(time.time() * 1000)})
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         self._put({"op": "tags", "data": {
@@ -355,6 +363,7 @@ class NullTracker:
 
     def log_params(self, params): pass
     def log_metrics(self, metrics, step): pass
+    def backfill(self, metrics_file, upto_step): pass
     def set_tags(self, tags): pass
     def log_checkpoint(self, path, step): pass
     def log_artifact(self, path, artifact_path=None): pass

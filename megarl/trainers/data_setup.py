@@ -6,6 +6,7 @@ The glue between `megarl.data` (plain functions of paths and ints) and the train
 from __future__ import annotations
 
 import os
+import re
 
 from megarl.config import Config, ConfigError
 from megarl.runtime.distributed import barrier, is_rank0
@@ -179,7 +180,8 @@ STAGE_ALIASES = {"rm": "reward_model"}
 def preflight(cfg: Config, stage: str | None) -> list[str]:
     """What would make `stage` fail on its inputs, one line each: a run dir that cannot be made,
     missing data or tokenizer files, a tokenizer larger than model.vocab_size, a dataset smaller
-    than one batch, no checkpoint to start from. stage: "sft", "reward_model"/"rm", "rl"; None:
+    than one batch, no checkpoint to start from, a finished stage asked for with another config.
+    stage: "sft", "reward_model"/"rm", "rl"; None:
     the checks every stage shares; another name (e.g. "eval"): run dir and tokenizer only.
     Cheap (counts lines, loads the tokenizer); runs before the run dir is touched, on every rank."""
     stage = STAGE_ALIASES.get(stage, stage)
@@ -205,7 +207,55 @@ def preflight(cfg: Config, stage: str | None) -> list[str]:
     if stage == "reward_model":
         errs += weights.source_errors(cfg, cfg.reward_model.init_from, "reward_model.init_from",
                                       "or set reward_model.init_from=null")
-    return errs
+    return errs + (finished_stage_errors(cfg, stage) if stage is not None else [])
+
+
+# What a finished stage is compared on: the sections it reads, less what does not change its
+# weights (where it logs, how often it logs or evaluates, evaluation sizes, residency, workers).
+_TRAINED_SECTIONS = ("model", "tokenizer", "data", "optim", "lr_schedule", "train")
+_OWN_SECTIONS = {"sft": ("sft",), "reward_model": ("reward_model",), "rl": ("rl", "roles")}
+_NEUTRAL = re.compile(r"^train\.(run_dir|log_interval|eval_interval|eval_batches)$|(^|\.)eval_|\.offload\.|"
+                      r"^data\.num_workers$")
+_NOT_READ = {"rl": re.compile(r"^data\.(?!synthetic\.|seed$|bad_records$)")}  # RL's batch is its prompts
+
+
+def config_changes(saved: dict, asked: dict, stage: str) -> list[tuple[str, str, str]]:
+    """(key, saved value, asked value) of each key that changes what `stage` trains."""
+    from megarl.tracking import flatten_params
+
+    sections = _TRAINED_SECTIONS + _OWN_SECTIONS.get(stage, ())
+    old, new = flatten_params(saved), flatten_params(asked)
+    unread = _NOT_READ.get(stage)
+    return [(k, old.get(k, "-"), new.get(k, "-")) for k in sorted(set(old) | set(new))
+            if k.split(".", 1)[0] in sections and not _NEUTRAL.search(k) and not (unread and unread.search(k))
+            and old.get(k) != new.get(k)]
+
+
+def finished_stage_errors(cfg: Config, stage: str) -> list[str]:
+    """A stage finished in this run dir (its latest checkpoint at or past train.steps) with
+    another config than the one asked for: one line naming the keys and the way out, instead of
+    `already complete` with the new values silently unused."""
+    import yaml
+
+    from megarl.checkpoint.distributed import latest_checkpoint
+    from megarl.config import config_to_dict
+
+    stage_dir = os.path.join(os.path.abspath(cfg.train.run_dir), stage)
+    saved_path = os.path.join(stage_dir, "config.yaml")
+    latest = latest_checkpoint(os.path.join(stage_dir, "checkpoints")) if cfg.checkpoint.resume else None
+    if latest is None or not os.path.isfile(saved_path):
+        return []
+    step = int(os.path.basename(latest).split("_")[1])
+    if step < cfg.train.steps:
+        return []  # unfinished: it resumes (and may continue with other settings, as pre-emption needs)
+    with open(saved_path) as f:
+        changes = config_changes(yaml.safe_load(f) or {}, config_to_dict(cfg), stage)
+    if not changes:
+        return []
+    shown = ", ".join(f"{k} ({old} there, {new} asked)" for k, old, new in changes[:4])
+    more = f" and {len(changes) - 4} more" if len(changes) > 4 else ""
+    return [f"{stage}: already complete in {stage_dir} (step {step}) with another config: {shown}{more}; "
+            "use a new train.run_dir, or checkpoint.resume=false to train it again there"]
 
 
 def check_preflight(cfg: Config, stage: str | None) -> None:

@@ -24,6 +24,7 @@ from megarl.checkpoint.distributed import latest_checkpoint, load_checkpoint, sa
 from megarl.config.schema import Config
 from megarl.runtime.distributed import device, is_rank0
 from megarl.trainers.stops import EXIT_REQUEUE, Preempted
+from megarl.utils.atomic import write_atomic
 
 log = logging.getLogger("megarl")
 
@@ -98,8 +99,7 @@ class MetricsFile:
             if resume_step > 0 and os.path.exists(path):
                 with open(path) as f:
                     self.kept = [r for r in map(json.loads, f) if r.get("step", 0) <= resume_step]
-            with open(path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in self.kept)
+            write_atomic(path, "".join(json.dumps(r) + "\n" for r in self.kept))  # a kill keeps the old file
 
     def write(self, record: dict) -> None:
         if is_rank0():
@@ -165,6 +165,8 @@ class MetricLogger:
         self.final: dict = {}  # the latest value of every metric, the resumed-from part included
         for record in self.file.kept:
             self.final.update({k: v for k, v in record.items() if k != "step"})
+        if resume_step > 0:  # the points a killed process never delivered reach MLflow now
+            tracker.backfill(self.file.path, resume_step)
 
     def log(self, step: int, metrics: dict) -> None:
         self.tracker.log_metrics(metrics, step=step)

@@ -8,8 +8,9 @@ data), merged over the shared ones field by field. Overrides: a shared one (`tra
 sets that key in every stage, over the stage sections' own values; a stage one
 (`stages.rl.optim.lr=1e-6`) sets it in that stage only, and wins over a shared one whatever
 their order. Every stage still to run passes `megarl validate`'s checks before the first
-stage's first step. A stage whose final checkpoint exists is skipped (and not checked); an
-interrupted one resumes. Every stage's console output also goes to <run_dir>/logs/<stage>.log,
+stage's first step. A stage whose final checkpoint exists is skipped, unless asked for with
+settings that change what it trains (then the run stops and names them); an interrupted one
+resumes. Every stage's console output also goes to <run_dir>/logs/<stage>.log,
 and the resolved per-stage configs to <run_dir>/logs/pipeline.yaml.
 
 Python, in a notebook or a script (one process, or every rank under torchrun):
@@ -29,7 +30,7 @@ import sys
 import yaml
 
 from megarl.config import Config, ConfigError
-from megarl.config.loader import apply_override, build_config, deep_merge, from_hf_first, read_yaml
+from megarl.config.loader import apply_override, build_config, deep_merge, fit_short_run, from_hf_first, read_yaml
 from megarl.config.shipped import resolve_config_path
 
 
@@ -60,7 +61,8 @@ def load_pipeline_config(path: str | None, overrides=()) -> dict[str, Config]:
         per_stage[stage] = apply_override(per_stage.setdefault(stage, {}), o.strip()[len(f"stages.{stage}."):])
     configs = {}
     for stage in STAGES:
-        configs[stage] = build_config(deep_merge(data, per_stage.get(stage, {})), f"{where} (stage {stage})")
+        configs[stage] = fit_short_run(build_config(deep_merge(data, per_stage.get(stage, {})),
+                                                   f"{where} (stage {stage})"), f"stage {stage}: ")
     _check_shared(configs)
     return configs
 
@@ -193,10 +195,15 @@ class Pipeline:
         if unknown:
             raise ConfigError(f"--stages: unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}")
         from megarl.runtime.distributed import is_rank0, world_size_from_env
+        from megarl.trainers.data_setup import finished_stage_errors
         from megarl.trainers.run_lock import release
 
         todo = [s for s in STAGES if s in stages and self._done(s) is None]  # finished ones are skipped
         check_stages(self.configs, world_size_from_env(), todo, self.where)
+        changed = [line for s in STAGES if s in stages and s not in todo  # ... unless asked with other settings
+                   for line in finished_stage_errors(self.configs[s], STAGE_DIRS[s])]
+        if changed:
+            raise ConfigError(changed[0] if len(changed) == 1 else "cannot start:\n  " + "\n  ".join(changed))
         eta = RunETA({s: self.configs[s] for s in todo})
         if todo and is_rank0():
             steps = ", ".join(f"{s} {self.configs[s].train.steps} steps" for s in todo)
