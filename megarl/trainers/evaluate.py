@@ -133,7 +133,7 @@ def tool_metric_pairs(rollout) -> dict:
             "tool_timeouts_per_sample": (rollout.tool_timeouts.sum().item(), n)}
 
 
-EVAL_STAGES = ("sft", "rl")  # stage names `--checkpoint` accepts: their latest checkpoint
+EVAL_STAGES = ("sft", "rl", "dpo")  # stage names `--checkpoint` accepts: their latest checkpoint
 
 
 def eval_source(cfg: Config, checkpoint: str | None, hf: str | None) -> str:
