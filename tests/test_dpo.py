@@ -1,6 +1,9 @@
 """DPO, IPO and SimPO (megarl/algorithms/preference.py) against float64 references written here,
 and the DPO stage's pieces that reduce a model's output to per-pair sums."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -185,3 +188,22 @@ def test_dp2_and_tp2_match_one_process(tmp_path, layout):
         for k in a:
             if k.startswith(("train/", "eval/")) and k != "train/lr":
                 assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (layout, a["step"], k)
+
+
+# ---------------------------------------------------------------------------- against TRL
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRL_PYTHON = os.environ.get("MEGARL_TRL_PYTHON") or os.path.join(REPO, "bench", ".venv-trl", "bin", "python")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(TRL_PYTHON),
+                    reason="TRL is not a test dependency: needs its venv (bench/.venv-trl, which bench/bench_rl_step.py "
+                           "creates, or $MEGARL_TRL_PYTHON)")
+def test_losses_and_metrics_equal_trls_on_the_same_batch_and_weights():
+    """bench/trl_dpo_check.py: DPOTrainer's sigmoid and ipo, CPOTrainer's simpo, on the same pairs
+    and two random Llamas exported from megarl; it exits 1 beyond 1e-4."""
+    out = subprocess.run([sys.executable, os.path.join(REPO, "bench", "trl_dpo_check.py"), "--trl-python", TRL_PYTHON],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "largest difference" in out.stdout and out.stdout.count(" TRL ") == 33

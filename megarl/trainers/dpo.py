@@ -54,6 +54,15 @@ def sequence_logps(batch, head) -> torch.Tensor:
     return (logp * batch["mask"]).sum(1)
 
 
+def with_reference(reference, mbs: list[MicroBatch]) -> list[MicroBatch]:
+    """The micro-batches with the reference's summed log-probs per row ("ref_logp" [2n]), from
+    one forward-only pass over all of them (None: a reference-free loss, unchanged)."""
+    if reference is None:
+        return mbs
+    refs = reference.forward_collect(mbs, lambda b, head: sequence_logps(b, head).float().cpu())
+    return [dataclasses.replace(mb, data={**mb.data, "ref_logp": r}) for mb, r in zip(mbs, refs)]
+
+
 def dpo_loss(d: DPOConfig):
     """Loss closure for the Role contract: the preference loss over the micro-batch's pairs."""
 
@@ -93,11 +102,7 @@ class DPOStage(SupervisedStage):
     evaluate_first = True
 
     def prepare(self, batches: list[dict]) -> list[MicroBatch]:
-        mbs = [pair_microbatch(b) for b in batches]
-        if self.reference is None:
-            return mbs
-        refs = self.reference.forward_collect(mbs, lambda b, head: sequence_logps(b, head).float().cpu())
-        return [dataclasses.replace(mb, data={**mb.data, "ref_logp": r}) for mb, r in zip(mbs, refs)]
+        return with_reference(self.reference, [pair_microbatch(b) for b in batches])
 
     def _held_out(self):
         mbs = self.prepare(data_setup.eval_microbatches(self.cfg, self.eval_ds))
