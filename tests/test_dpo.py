@@ -129,6 +129,19 @@ def test_pair_microbatch_cuts_prompt_columns_and_sums_only_response_tokens():
     assert mb["mask"].sum(1).tolist() == [4, 7, 6, 2]  # response tokens: chosen rows, then rejected
 
 
+def test_dpo_pipeline_stages_are_the_tiny_recipes():
+    """tiny_dpo_pipeline.yaml repeats tiny_sft.yaml's and tiny_dpo.yaml's values (its header says so)."""
+    from dataclasses import asdict
+
+    from megarl.config import load_config
+    from megarl.trainers.pipeline import DEFAULT_STAGES, load_pipeline_config
+
+    stages = load_pipeline_config("configs/tiny_dpo_pipeline.yaml", [])
+    for stage, recipe in (("sft", "tiny_sft"), ("dpo", "tiny_dpo")):
+        assert asdict(stages[stage]) == asdict(load_config(f"configs/{recipe}.yaml")), stage
+    assert "dpo" not in DEFAULT_STAGES  # `megarl pipeline` without --stages runs SFT -> RM -> RL
+
+
 # ---------------------------------------------------------------------------- the stage, end to end
 
 
