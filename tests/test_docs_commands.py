@@ -378,6 +378,10 @@ COMMANDS = {
         (Run("dapo", needs=("sft",), before=_copy_run("runs/quickstart", "runs/dapo", ("data", "sft")),
              extra=(*TINY_RL, "train.run_dir=runs/dapo", "tracking.backend=none"),
              writes=("runs/dapo/rl/checkpoints/latest",)),),
+    "megarl dpo --config configs/tiny_dpo.yaml":  # in a copy of the run dir, from its sft/
+        (Run("dpo", needs=("sft",), before=_copy_run("runs/quickstart", "runs/dpo", ("data", "sft")),
+             extra=(*TINY, "train.steps=1", "train.run_dir=runs/dpo", "tracking.backend=none"),
+             writes=("runs/dpo/dpo/checkpoints/latest",)),),
     "megarl pipeline --config configs/tiny_pipeline.yaml [--stages rm,rl]":  # both finished above: skipped
         (Run(needs=("rm", "grpo"), extra=(*TINY_MODEL, "stages.rm.train.steps=1", "stages.rl.train.steps=1"),
              prints="rl: already complete"), Validate()),

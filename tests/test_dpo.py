@@ -153,6 +153,17 @@ def dpo_args(run_dir, *extra):
             "lr_schedule.warmup_steps=0", "optim.lr=1e-3", "train.eval_batches=1", *extra]
 
 
+def test_without_its_sft_checkpoint_or_with_a_bad_beta_it_is_one_line_and_writes_nothing(tmp_path):
+    from megarl_run import megarl
+
+    run = tmp_path / "run"
+    for extra, line in (((), "megarl: error: roles.actor.init_from=sft: no checkpoint at "),
+                        (("dpo.beta=0",), "dpo.beta must be > 0, got 0.0")):
+        out = megarl(["dpo", "--config", "configs/tiny_dpo.yaml", f"train.run_dir={run}", *extra], check=False)
+        assert out.returncode == 2 and line in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not run.exists()
+
+
 @pytest.mark.slow
 def test_megarl_dpo_learns_logs_checkpoints_and_resumes_exactly(tmp_path):
     """4 steps in one go against 2 steps, then the same run dir to 4 (resumed from step 2). The

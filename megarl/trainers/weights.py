@@ -212,8 +212,8 @@ def build_role(cfg: Config, name: str, *, trained: bool, train_steps: int | None
 def build_reference(cfg: Config, policy):
     """The frozen reference `policy` is held to (RL's KL, DPO's log-ratios): today a second model
     from roles.reference.init_from. The one place that decides it, so that a reference that is
-    the policy itself with its adapters off (LoRA) replaces this function only; callers use the
-    result's `forward_collect` and residency, nothing else."""
+    the policy itself with its adapters off (LoRA) replaces this function only; callers only run
+    the result forward (`forward_collect`) and move it (offload, onload, residency)."""
     return build_role(cfg, "reference", trained=False)
 
 
