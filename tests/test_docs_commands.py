@@ -443,6 +443,9 @@ COMMANDS = {
     "train.eval_interval=20": (Validate(needs=("sft",)),),
     "megarl rl --config configs/tiny_dapo.yaml train.run_dir=R train.seed=S data.seed=1234 rl.eval_prompts=200 "
     "train.eval_interval=20": (Validate(needs=("sft",)),),
+    # ---- docs/benchmarks.md: DPO
+    "python bench/bench_dpo.py --out runs/bench_dpo --seeds 1234 2 3": (Help(),),
+    "python bench/trl_dpo_check.py --trl-python bench/.venv-trl/bin/python": (Help(),),
     "megarl sft --config configs/tiny_sft_tools.yaml train.run_dir=R data.synthetic.calculator=1.0": (Validate(),),
     "megarl rl --config configs/tiny_grpo_tools.yaml train.run_dir=R data.synthetic.calculator=1.0 train.seed=S "
     "data.seed=1234 train.steps=40 train.eval_interval=20 rl.eval_prompts=100": (Validate(needs=("sft",)),),
