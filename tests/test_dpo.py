@@ -142,6 +142,21 @@ def test_dpo_pipeline_stages_are_the_tiny_recipes():
     assert "dpo" not in DEFAULT_STAGES  # `megarl pipeline` without --stages runs SFT -> RM -> RL
 
 
+def test_pipeline_summary_gives_dpo_before_and_after(tmp_path):
+    import json
+
+    from megarl.trainers.pipeline import summary
+
+    (tmp_path / "dpo").mkdir()
+    records = [{"step": 0, "eval/likelihood_accuracy": 0.9, "eval/reward_accuracy": 0.0},
+               {"step": 1, "train/loss": 0.6},
+               {"step": 60, "eval/likelihood_accuracy": 0.95, "eval/reward_accuracy": 0.875}]
+    (tmp_path / "dpo" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rows = summary(str(tmp_path)).splitlines()[2:]
+    assert rows == ["| before DPO (the SFT model) | held-out likelihood accuracy 0.900 |",
+                    "| after DPO (step 60) | held-out likelihood accuracy 0.950, reward accuracy 0.875 |"]
+
+
 # ---------------------------------------------------------------------------- the stage, end to end
 
 

@@ -315,8 +315,8 @@ def summary(run_dir: str) -> str:
         for label, rec in (("before DPO (the SFT model)", dpo[0]), (f"after DPO (step {dpo[-1]['step']})", dpo[-1])):
             if rec is dpo[0] and rec["step"] != 0:
                 continue
-            rows.append((label, f"held-out likelihood accuracy {rec['eval/likelihood_accuracy']:.3f}, "
-                                f"reward accuracy {rec['eval/reward_accuracy']:.3f}"))
+            reward = "" if rec is dpo[0] else f", reward accuracy {rec['eval/reward_accuracy']:.3f}"  # 0 at its reference
+            rows.append((label, f"held-out likelihood accuracy {rec['eval/likelihood_accuracy']:.3f}{reward}"))
     sft = evals("sft")
     if sft and "eval/sample_accuracy" in sft[-1]:
         rows.append((f"SFT greedy samples (step {sft[-1]['step']})", f"accuracy {sft[-1]['eval/sample_accuracy']:.3f}"))
