@@ -142,6 +142,20 @@ def test_dpo_pipeline_stages_are_the_tiny_recipes():
     assert "dpo" not in DEFAULT_STAGES  # `megarl pipeline` without --stages runs SFT -> RM -> RL
 
 
+def test_dpo_config_rules():
+    from megarl.config import check_config, load_config
+
+    def errors(*overrides):
+        return check_config(load_config("configs/tiny_dpo.yaml", list(overrides)), 1)
+
+    assert errors() == []
+    assert errors("dpo.beta=-1") == ["dpo.beta must be > 0, got -1.0"]
+    assert errors("dpo.label_smoothing=0.5") == ["dpo.label_smoothing must be in [0, 0.5), got 0.5"]
+    assert errors("dpo.loss=ipo", "dpo.label_smoothing=0.1") == [
+        "dpo.label_smoothing is conservative DPO's (dpo.loss=sigmoid); dpo.loss=ipo ignores it"]
+    assert errors("dpo.loss=sigmoid", "dpo.label_smoothing=0.1") == []
+
+
 def test_pipeline_summary_gives_dpo_before_and_after(tmp_path):
     import json
 
