@@ -228,13 +228,14 @@ def test_megarl_dpo_learns_logs_checkpoints_and_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
-def test_dp2_and_tp2_match_one_process(tmp_path, layout):
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+def test_dp2_tp2_and_pp2_match_one_process(tmp_path, layout):
     from megarl_run import megarl, metrics
 
     steps = ("train.steps=2", "train.eval_interval=2")
     megarl(dpo_args(tmp_path / "one", *steps))
-    megarl(dpo_args(tmp_path / layout, *steps, *(("parallel.tp=2",) if layout == "tp2" else ())), nproc=2)
+    extra = {"dp2": (), "tp2": ("parallel.tp=2",), "pp2": ("parallel.pp=2",)}[layout]
+    megarl(dpo_args(tmp_path / layout, *steps, *extra), nproc=2)
     ref, got = metrics(tmp_path / "one" / "dpo"), metrics(tmp_path / layout / "dpo")
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     for a, b in zip(ref, got):

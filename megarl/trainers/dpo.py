@@ -91,7 +91,7 @@ class DPOStage(SupervisedStage):
         train = data_setup.train_iterator(cfg, paths["train"], "preferences", tok, stage_dir)
         self.eval_ds = data_setup.dataset(cfg, paths["eval"], "preferences", tok) if paths["eval"] else None
         self.loss = dpo_loss(cfg.dpo)
-        self.cfg = cfg
+        self.cfg, self._eval_mbs = cfg, None
         d = cfg.data
         super().__init__(STAGE, self.policy, lambda step: self.loss, train, global_batch_size=d.global_batch_size,
                          micro_batch_size=d.micro_batch_size, tokens_per_sample=2 * d.seq_length,
@@ -105,8 +105,9 @@ class DPOStage(SupervisedStage):
         return with_reference(self.reference, [pair_microbatch(b) for b in batches])
 
     def _held_out(self):
-        mbs = self.prepare(data_setup.eval_microbatches(self.cfg, self.eval_ds))
-        return self.policy.evaluate(mbs, self.loss), []
+        if self._eval_mbs is None:  # the same pairs at every evaluation: the reference's pass once
+            self._eval_mbs = self.prepare(data_setup.eval_microbatches(self.cfg, self.eval_ds))
+        return self.policy.evaluate(self._eval_mbs, self.loss), []
 
 
 def build_stage(cfg: Config, stage_dir: str) -> DPOStage:
