@@ -142,6 +142,7 @@ def _workspace_body(rank, world_size):
     eager = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=16, static_decode=False)
     eng = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=16, static_decode=True,
                                 sync_every=3)
+    offload.register_workspace(role, "decode", eng.workspace)  # as trainers/evaluate.rollout_engine does
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, stop_ids=_stop_ids(role))
 
     def memory():  # where each kept tensor lives
@@ -157,6 +158,7 @@ def _workspace_body(rank, world_size):
     for call in range(3):
         before = memory()
         got = eng.generate(_prompts(), params, seed=call)
+        offload.report_workspaces(role)  # as RLStage.generate does
         out["same"].append(got.responses() == eager.generate(_prompts(), params, seed=call).responses())
         after = memory()
         out["kept"].append(all(after[k] == v for k, v in before.items() if k in after) and

@@ -378,6 +378,10 @@ COMMANDS = {
         (Run("dapo", needs=("sft",), before=_copy_run("runs/quickstart", "runs/dapo", ("data", "sft")),
              extra=(*TINY_RL, "train.run_dir=runs/dapo", "tracking.backend=none"),
              writes=("runs/dapo/rl/checkpoints/latest",)),),
+    "megarl dpo --config configs/tiny_dpo.yaml train.run_dir=runs/dpo":  # its sft/: the shared run's
+        (Run("dpo", needs=("sft",), before=_copy_run("runs/quickstart", "runs/dpo", ("data", "sft")),
+             extra=(*TINY, "train.steps=1", "train.run_dir=runs/dpo", "tracking.backend=none"),
+             writes=("runs/dpo/dpo/checkpoints/latest",)),),
     # in a copy holding the shared run's SFT: the shared run's rm/ and rl/ were trained with other
     # settings than the pipeline's, which it refuses (test_pipeline.py: finished stages skipped)
     "megarl pipeline --config configs/tiny_pipeline.yaml [--stages rm,rl]":
@@ -450,6 +454,9 @@ COMMANDS = {
     "train.eval_interval=20": (Validate(needs=("sft",)),),
     "megarl rl --config configs/tiny_dapo.yaml train.run_dir=R train.seed=S data.seed=1234 rl.eval_prompts=200 "
     "train.eval_interval=20": (Validate(needs=("sft",)),),
+    # ---- docs/benchmarks.md: DPO
+    "python bench/bench_dpo.py --out runs/bench_dpo --seeds 1234 2 3": (Help(),),
+    "python bench/trl_dpo_check.py --trl-python bench/.venv-trl/bin/python": (Help(),),
     "megarl sft --config configs/tiny_sft_tools.yaml train.run_dir=R data.synthetic.calculator=1.0": (Validate(),),
     "megarl rl --config configs/tiny_grpo_tools.yaml train.run_dir=R data.synthetic.calculator=1.0 train.seed=S "
     "data.seed=1234 train.steps=40 train.eval_interval=20 rl.eval_prompts=100": (Validate(needs=("sft",)),),

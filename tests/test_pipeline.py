@@ -142,12 +142,12 @@ def test_pipeline_config_sections_and_overrides(tmp_path):
     for overrides in (["train.steps=5", "optim.weight_decay=0.2", "stages.rl.train.steps=7"],
                       ["stages.rl.train.steps=7", "train.steps=5", "optim.weight_decay=0.2"]):
         cfgs = load_pipeline_config("configs/tiny_pipeline.yaml", overrides)
-        assert {s: c.train.steps for s, c in cfgs.items()} == {"sft": 5, "rm": 5, "rl": 7}, overrides
+        assert {s: c.train.steps for s, c in cfgs.items()} == {"sft": 5, "dpo": 5, "rm": 5, "rl": 7}, overrides
         assert {c.optim.weight_decay for c in cfgs.values()} == {0.2}
         assert cfgs["rm"].optim.lr == 1e-3 and cfgs["rl"].train.eval_interval == 30  # the rest is untouched
     with pytest.raises(ConfigError, match=r"stages.rl: tokenizer .* differs"):
         load_pipeline_config("configs/tiny_pipeline.yaml", ["stages.rl.tokenizer.kind=hf"])
-    with pytest.raises(ConfigError, match=r"expected stages.<sft\|rm\|rl>"):
+    with pytest.raises(ConfigError, match=r"expected stages.<sft\|dpo\|rm\|rl>"):
         load_pipeline_config("configs/tiny_pipeline.yaml", ["stages.ppo.optim.lr=1"])
     with pytest.raises(ConfigError, match=r"unknown key 'optim.lrr'"):
         load_pipeline_config("configs/tiny_pipeline.yaml", ["stages.sft.optim.lrr=1"])
@@ -176,7 +176,7 @@ def test_progress_line_shows_the_pipeline_stage_and_a_run_eta(capsys):
     cfgs = load_pipeline_config("configs/tiny_pipeline.yaml", [])
     work = {s: stage_work(c, s) for s, c in cfgs.items()}
     assert work["rm"][0] == 2 * work["sft"][0] * 128 / 32  # pairs: twice the sequences, 128 a step vs 32
-    eta = RunETA(cfgs)
+    eta = RunETA({s: cfgs[s] for s in ("sft", "rm", "rl")})  # the stages a default run runs
     seconds = 0.5 * (600 - 300) + 0.5 * (work["rm"][1] + work["rl"][1]) / work["sft"][0]
     assert eta.reporter("sft")(300, 600, 0.5) == f"pipeline stage 1/3, run ETA ~{int(seconds) // 60}:{int(seconds) % 60:02d}"
     assert eta.reporter("rl")(59, 60, 2.0) == "pipeline stage 3/3, run ETA ~0:02"

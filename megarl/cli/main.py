@@ -3,6 +3,7 @@
     megarl sft --config configs/tiny_sft.yaml optim.lr=1e-3 train.steps=100
     megarl rm  --config configs/tiny_rm.yaml
     megarl rl  --config configs/tiny_grpo.yaml
+    megarl dpo --config configs/tiny_dpo.yaml
     megarl pipeline --config configs/tiny_pipeline.yaml [--stages rm,rl]
     megarl eval --config configs/tiny_grpo.yaml [--checkpoint runs/x/rl/checkpoints | --hf DIR]
     megarl validate --config configs/x.yaml --world-size 8 [--stage sft|rm|rl|eval|pipeline]
@@ -44,11 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p = sub.add_parser("rl", help="RL on colocated roles: GRPO, PPO (critic + GAE), RLOO, REINFORCE(++)")
     _config_args(p)
+    p = sub.add_parser("dpo", help="direct preference optimisation (DPO, IPO, SimPO) on preference pairs")
+    _config_args(p)
     p = sub.add_parser("pipeline", help="SFT -> reward model -> RL in one run dir from one config",
-                       description="Shared sections apply to every stage; stages.<sft|rm|rl> hold each stage's own "
+                       description="Shared sections apply to every stage; stages.<sft|dpo|rm|rl> hold each stage's own "
                                    "values. Overrides: key=value sets the key in every stage (over the stage sections' values); "
                                    "stages.<stage>.key=value sets one stage and wins over a shared one.")
-    p.add_argument("--stages", default="sft,rm,rl", help="comma-separated subset, in pipeline order (default: all)")
+    p.add_argument("--stages", default="sft,rm,rl", help="comma-separated stages among sft,dpo,rm,rl, run in that order (default: sft,rm,rl)")
     _config_args(p)
     p = sub.add_parser("eval", help="pass@1 / pass@k / mean@k of a model on held-out prompts (sampled)")
     src = p.add_mutually_exclusive_group()
@@ -63,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-target", choices=sorted(GPU_TARGETS), default=None,
                    help="check the device rules (FP8) and the memory estimate for this GPU instead of this "
                         "machine's, e.g. on a login node; assumes megarl's supported Transformer Engine there")
-    p.add_argument("--stage", choices=["sft", "rm", "rl", "eval", "pipeline"], default=None,
+    p.add_argument("--stage", choices=["sft", "rm", "rl", "dpo", "eval", "pipeline"], default=None,
                    help="also check that stage's own rules and inputs (rl, eval: batch split, sequence lengths, "
                         "rewards; pipeline: a `megarl pipeline` config, every stage; default: a pipeline config "
                         "is recognised by its 'stages' section)")
@@ -193,12 +196,14 @@ def _world(args) -> int:
 
 
 def run(args) -> int:
-    if args.command in ("sft", "rm", "rl"):
+    if args.command in ("sft", "rm", "rl", "dpo"):
         cfg = _load(args)
         if args.command == "sft":
             from megarl.trainers.sft import main
         elif args.command == "rm":
             from megarl.trainers.reward_model import main
+        elif args.command == "dpo":
+            from megarl.trainers.dpo import main
         else:
             from megarl.trainers.rl import main
         main(cfg)

@@ -236,6 +236,20 @@ class RewardModelConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Direct preference optimisation (`megarl dpo`) on the preference JSONL the reward model reads.
+
+    The policy is the actor role and the frozen reference the reference role: roles.actor.init_from
+    (default: this run dir's SFT checkpoint) and roles.reference.init_from (default: the actor's).
+    """
+
+    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"  # DPO; IPO (beta is its tau); SimPO (no reference)
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # sigmoid: conservative DPO's probability that a label is flipped
+    simpo_gamma: float = 0.5  # simpo: the target reward margin
+
+
+@dataclass
 class RLConfig:
     """The RL stage (`megarl rl`): rollouts on the actor, scoring, advantages, PPO-style updates.
 
@@ -348,6 +362,7 @@ class Config:
     roles: RolesConfig = field(default_factory=RolesConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     rl: RLConfig = field(default_factory=RLConfig)
 
 

@@ -297,6 +297,12 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: 
         errs.append(f"data.num_workers must be >= 0, got {d.num_workers}")
     if cfg.reward_model.freeze_backbone and p.pp > 1:
         errs.append("reward_model.freeze_backbone needs parallel.pp=1 (earlier stages would hold no trainable parameters)")
+    if cfg.dpo.beta <= 0:
+        errs.append(f"dpo.beta must be > 0, got {cfg.dpo.beta}")
+    if not 0 <= cfg.dpo.label_smoothing < 0.5:
+        errs.append(f"dpo.label_smoothing must be in [0, 0.5), got {cfg.dpo.label_smoothing}")
+    elif cfg.dpo.label_smoothing and cfg.dpo.loss != "sigmoid":
+        errs.append(f"dpo.label_smoothing is conservative DPO's (dpo.loss=sigmoid); dpo.loss={cfg.dpo.loss} ignores it")
     if cfg.tokenizer.kind == "hf" and not cfg.tokenizer.path:
         errs.append("tokenizer.kind=hf needs tokenizer.path (a local directory with tokenizer.json)")
     if cfg.checkpoint.keep_last < 1 or cfg.checkpoint.save_interval < 0:

@@ -124,7 +124,6 @@ class MegatronRolloutEngine(RolloutEngine):
             calls). cuda_graphs: on a CUDA device, each bucket's step is captured once and replayed
             in every later call of the same shape."""
         self.chunks = _model_chunks(role)
-        self._role = role if hasattr(role, "chunks") and hasattr(role, "name") else None
         self.model = self.chunks[0]
         self.gpt = unwrap(self.model)
         if getattr(self.gpt, "megarl_head", "lm") != "lm":
@@ -144,11 +143,10 @@ class MegatronRolloutEngine(RolloutEngine):
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         self.sync_every, self.cuda_graphs = int(sync_every), bool(cuda_graphs)
+        # the caller hands it to the role's offload (roles.offload.register_workspace), which
+        # releases it before the weights move and counts it in the ledger
         self.workspace = DecodeWorkspace()
         self._holds: dict = {}  # last characters -> token ids that may end such a string
-        if self._role is not None:  # the role's offload releases the workspace, its ledger counts it
-            from megarl.roles import offload
-            offload.register_workspace(self._role, "decode", self.workspace)
         if self.tools is not None and (decode is None or encode is None):
             raise ValueError("MegatronRolloutEngine(tools=...) needs decode and encode functions (the tokenizer's)")
 
@@ -168,9 +166,6 @@ class MegatronRolloutEngine(RolloutEngine):
             out = self._generate(prompts, params, seed, sample_offset)
         if self.workspace.cache:
             out.stats["workspace_bytes"] = self.workspace.nbytes()
-        if self._role is not None:
-            from megarl.roles import offload
-            offload.report_workspaces(self._role)
         return out
 
     def _generate(self, prompts, params, seed, sample_offset):

@@ -42,7 +42,7 @@ class SupervisedStage(Stage):
         import time
 
         start = time.perf_counter()
-        microbatches = [next(self.train_data) for _ in range(self.n_micro)]
+        microbatches = self.prepare([next(self.train_data) for _ in range(self.n_micro)])
         result = self.role.train_step(microbatches, self.loss_for_step(step))
         metrics = {f"train/{k}": v for k, v in result.metrics.items()}
         metrics.update({"train/lr": result.lr, "train/grad_norm": result.grad_norm})
@@ -50,6 +50,10 @@ class SupervisedStage(Stage):
             metrics["train/skipped_steps"] = 1
         metrics["perf/tokens_per_s"] = self.tokens_per_step / (time.perf_counter() - start)
         return metrics
+
+    def prepare(self, microbatches: list) -> list:
+        """The step's micro-batches as the role runs them (DPO adds the reference's log-probs)."""
+        return microbatches
 
     def evaluate(self, step: int):
         return self._evaluate()

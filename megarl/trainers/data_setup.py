@@ -15,6 +15,7 @@ from megarl.trainers import weights
 # Which synthetic-task file each stage trains and evaluates on when data.train_path is unset.
 SYNTHETIC = {"sft": ("train_sft.jsonl", "test_sft.jsonl"),
              "reward_model": ("train_prefs.jsonl", "test_prefs.jsonl"),
+             "dpo": ("train_prefs.jsonl", "test_prefs.jsonl"),
              "rl": ("train_prompts.jsonl", "test_prompts.jsonl")}
 
 
@@ -181,7 +182,7 @@ def preflight(cfg: Config, stage: str | None) -> list[str]:
     """What would make `stage` fail on its inputs, one line each: a run dir that cannot be made,
     missing data or tokenizer files, a tokenizer larger than model.vocab_size, a dataset smaller
     than one batch, no checkpoint to start from, a finished stage asked for with another config.
-    stage: "sft", "reward_model"/"rm", "rl"; None:
+    stage: "sft", "reward_model"/"rm", "rl", "dpo"; None:
     the checks every stage shares; another name (e.g. "eval"): run dir and tokenizer only.
     Cheap (counts lines, loads the tokenizer); runs before the run dir is touched, on every rank."""
     stage = STAGE_ALIASES.get(stage, stage)
@@ -190,7 +191,7 @@ def preflight(cfg: Config, stage: str | None) -> list[str]:
         errs += _reward_fn_errors(cfg, stage) + tool_errors(cfg)
     if stage == "eval":  # its held-out prompts; the checkpoint is named on the command line
         return errs + _data_errors(cfg, "rl", ("eval_prompts_path",), 0, "")
-    if stage not in (None, "sft", "reward_model", "rl"):
+    if stage not in (None, "sft", "reward_model", "rl", "dpo"):
         return errs
     if stage == "rl":
         r = cfg.rl
@@ -204,6 +205,8 @@ def preflight(cfg: Config, stage: str | None) -> list[str]:
         if stage == "sft" and init:
             found = weights.source_errors(cfg, init, "model.init_from")
             errs += found or weights.content_errors(init, "model.init_from", cfg.model, "sft")
+    if stage == "dpo":
+        errs += weights.role_source_errors(cfg, weights.dpo_roles(cfg))
     if stage == "reward_model":
         errs += weights.source_errors(cfg, cfg.reward_model.init_from, "reward_model.init_from",
                                       "or set reward_model.init_from=null")

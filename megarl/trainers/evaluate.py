@@ -112,16 +112,19 @@ TOOL_METRICS = ("tool_calls_per_sample", "tool_errors_per_sample", "tool_call_su
 
 
 def rollout_engine(cfg: Config, actor, tok):
-    """The rollout engine on `actor` that RL and `megarl eval` sample with, with rl.tools."""
+    """The rollout engine on `actor` (a Role) that RL and `megarl eval` sample with, with rl.tools."""
+    from megarl.roles import offload
     from megarl.rollout.engine import MegatronRolloutEngine
     from megarl.rollout.tools import make_toolbox
 
     r = cfg.rl
     tools = make_toolbox(r.tools, max_calls=r.max_tool_calls, timeout_s=r.tool_timeout_s,
                          max_output_chars=r.tool_max_output_chars, python=r.python_tool)
-    return MegatronRolloutEngine(actor, vocab_size=cfg.model.vocab_size, pad_id=tok.pad_id, decode=tok.decode,
-                                 encode=tok.encode, tools=tools, max_batch_size=r.rollout_batch_size,
-                                 cuda_graphs=r.cuda_graphs, sync_every=r.decode_sync_every)
+    engine = MegatronRolloutEngine(actor, vocab_size=cfg.model.vocab_size, pad_id=tok.pad_id, decode=tok.decode,
+                                   encode=tok.encode, tools=tools, max_batch_size=r.rollout_batch_size,
+                                   cuda_graphs=r.cuda_graphs, sync_every=r.decode_sync_every)
+    offload.register_workspace(actor, "decode", engine.workspace)  # released before the actor's weights move
+    return engine
 
 
 def tool_metric_pairs(rollout) -> dict:
@@ -133,7 +136,7 @@ def tool_metric_pairs(rollout) -> dict:
             "tool_timeouts_per_sample": (rollout.tool_timeouts.sum().item(), n)}
 
 
-EVAL_STAGES = ("sft", "rl")  # stage names `--checkpoint` accepts: their latest checkpoint
+EVAL_STAGES = ("sft", "rl", "dpo")  # stage names `--checkpoint` accepts: their latest checkpoint
 
 
 def eval_source(cfg: Config, checkpoint: str | None, hf: str | None) -> str:

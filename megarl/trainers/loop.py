@@ -112,7 +112,7 @@ class Progress:
     `every` steps, so batch jobs' log files stay readable."""
 
     # the progress line's figures (every metric goes to metrics.jsonl and MLflow)
-    SHOWN = ("train/loss", "train/token_accuracy", "train/pair_accuracy", "train/lr", "train/grad_norm", "reward/mean", "reward/accuracy",
+    SHOWN = ("train/loss", "train/token_accuracy", "train/pair_accuracy", "train/reward_accuracy", "train/lr", "train/grad_norm", "reward/mean", "reward/accuracy",
              "kl/mean", "actor/loss", "actor/entropy", "actor/clip_fraction", "critic/loss",
              "critic/explained_variance", "rollout/response_len_mean", "perf/tokens_per_s", "perf/step_time_s")
 

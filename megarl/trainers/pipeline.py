@@ -1,9 +1,10 @@
-"""SFT -> reward model -> RL in one run directory, from one config file.
+"""SFT -> reward model -> RL (or SFT -> DPO) in one run directory, from one config file.
 
     megarl pipeline --config configs/tiny_pipeline.yaml [--stages rm,rl] [key=value ...]
+    megarl pipeline --config configs/tiny_dpo_pipeline.yaml --stages sft,dpo
 
 The config's shared sections (model, tokenizer, parallel, tracking, train.run_dir, ...) apply
-to every stage; `stages.<sft|rm|rl>` holds each stage's own values (steps, lr, batch sizes,
+to every stage; `stages.<sft|dpo|rm|rl>` holds each stage's own values (steps, lr, batch sizes,
 data), merged over the shared ones field by field. Overrides: a shared one (`train.steps=5`)
 sets that key in every stage, over the stage sections' own values; a stage one
 (`stages.rl.optim.lr=1e-6`) sets it in that stage only, and wins over a shared one whatever
@@ -17,7 +18,7 @@ Python, in a notebook or a script (one process, or every rank under torchrun):
 
     >>> import megarl
     >>> pipe = megarl.Pipeline("configs/tiny_pipeline.yaml", ["train.run_dir=runs/notebook"])
-    >>> results = pipe.run()                     # or pipe.sft(); pipe.reward_model(); pipe.rl()
+    >>> results = pipe.run()                     # or pipe.sft(); pipe.reward_model(); pipe.rl(); pipe.dpo()
     >>> sorted(results)
     ['rl', 'rm', 'sft']
 """
@@ -34,12 +35,13 @@ from megarl.config.loader import apply_override, build_config, deep_merge, fit_s
 from megarl.config.shipped import resolve_config_path
 
 
-STAGES = ("sft", "rm", "rl")
-STAGE_DIRS = {"sft": "sft", "rm": "reward_model", "rl": "rl"}
+STAGES = ("sft", "dpo", "rm", "rl")  # pipeline order
+DEFAULT_STAGES = ("sft", "rm", "rl")  # what runs unless --stages names others (e.g. sft,dpo)
+STAGE_DIRS = {"sft": "sft", "dpo": "dpo", "rm": "reward_model", "rl": "rl"}
 
 
 def load_pipeline_config(path: str | None, overrides=()) -> dict[str, Config]:
-    """{stage: resolved Config} for sft, rm and rl. A shared override reaches every stage (as
+    """{stage: resolved Config} for sft, dpo, rm and rl. A shared override reaches every stage (as
     `train.steps=5` on a single-stage recipe would); stage overrides are applied after them."""
     data = read_yaml(resolve_config_path(path)) if path else {}
     per_stage = data.pop("stages", None) or {}
@@ -115,7 +117,8 @@ def stage_work(cfg: Config, stage: str) -> tuple[float, float]:
     shorter) and max_new_tokens; its evaluations count too (before step 1 and every interval)."""
     t, d, r = cfg.train, cfg.data, cfg.rl
     if stage != "rl":
-        per_step = 3 * d.global_batch_size * d.seq_length * (2 if stage == "rm" else 1)
+        # a pair is two sequences; DPO adds the reference's forward
+        per_step = d.global_batch_size * d.seq_length * {"rm": 6, "dpo": 8}.get(stage, 3)
         return per_step, per_step * t.steps
     new, rows = r.max_new_tokens, r.prompts_per_step * r.samples_per_prompt
     length = new + r.max_prompt_len // 4
@@ -168,7 +171,7 @@ class _Tee:
 
 
 class Pipeline:
-    """SFT -> reward model -> RL on one run directory (see the module docstring for an example).
+    """SFT -> reward model -> RL (or SFT -> DPO) on one run directory (see the module docstring for an example).
 
     config: a pipeline YAML path, or {stage: Config} from `load_pipeline_config`. Each method
     runs one stage as `megarl <stage>` would and returns its final metrics; a stage that has
@@ -189,7 +192,10 @@ class Pipeline:
     def rl(self) -> dict:
         return self.run(["rl"])["rl"]
 
-    def run(self, stages=STAGES) -> dict:
+    def dpo(self) -> dict:
+        return self.run(["dpo"])["dpo"]
+
+    def run(self, stages=DEFAULT_STAGES) -> dict:
         """The given stages in pipeline order; {stage: final metrics}."""
         unknown = sorted(set(stages) - set(STAGES))
         if unknown:
@@ -252,7 +258,7 @@ class Pipeline:
 
     def _run_stage(self, stage: str, eta: RunETA) -> dict:
         from megarl.runtime.distributed import is_rank0, teardown
-        from megarl.trainers import reward_model, rl, sft
+        from megarl.trainers import dpo, reward_model, rl, sft
         from megarl.trainers.loop import train_stage
 
         done = self._done(stage)
@@ -261,7 +267,7 @@ class Pipeline:
                 print(f"[megarl pipeline] {stage}: already complete ({self.configs[stage].train.steps} steps); "
                       f"skipping. Results: {os.path.join(self.run_dir, STAGE_DIRS[stage])}", flush=True)
             return done
-        module = {"sft": sft, "rm": reward_model, "rl": rl}[stage]
+        module = {"sft": sft, "dpo": dpo, "rm": reward_model, "rl": rl}[stage]
         cfg = self.configs[stage]
         logs = os.path.join(self.run_dir, "logs")
         tee = contextlib.nullcontext()
@@ -292,7 +298,8 @@ def _redirect(path: str):
 
 def summary(run_dir: str) -> str:
     """The pipeline's held-out figures as a markdown table: the RL stage's first evaluation
-    (the SFT model it starts from) and last one, and the reward model's last pair accuracy."""
+    (the SFT model it starts from) and last one, DPO's likewise, and the reward model's last
+    pair accuracy."""
     import json
 
     def evals(stage):
@@ -313,6 +320,13 @@ def summary(run_dir: str) -> str:
     rm = evals("reward_model")
     if rm and "eval/pair_accuracy" in rm[-1]:
         rows.append((f"reward model (step {rm[-1]['step']})", f"held-out pair accuracy {rm[-1]['eval/pair_accuracy']:.3f}"))
+    dpo = evals("dpo")
+    if dpo and "eval/likelihood_accuracy" in dpo[-1]:
+        for label, rec in (("before DPO (the SFT model)", dpo[0]), (f"after DPO (step {dpo[-1]['step']})", dpo[-1])):
+            if rec is dpo[0] and rec["step"] != 0:
+                continue
+            reward = "" if rec is dpo[0] else f", reward accuracy {rec['eval/reward_accuracy']:.3f}"  # 0 at its reference
+            rows.append((label, f"held-out likelihood accuracy {rec['eval/likelihood_accuracy']:.3f}{reward}"))
     sft = evals("sft")
     if sft and "eval/sample_accuracy" in sft[-1]:
         rows.append((f"SFT greedy samples (step {sft[-1]['step']})", f"accuracy {sft[-1]['eval/sample_accuracy']:.3f}"))
@@ -320,7 +334,7 @@ def summary(run_dir: str) -> str:
     return "\n".join(lines)
 
 
-def run_pipeline(path: str, overrides=(), stages=STAGES) -> dict:
+def run_pipeline(path: str, overrides=(), stages=DEFAULT_STAGES) -> dict:
     """`megarl pipeline`: the stages in order, then the figures; the process group is torn down."""
     from megarl.runtime.distributed import is_rank0, teardown
 

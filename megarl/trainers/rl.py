@@ -29,6 +29,7 @@ from megarl.config import Config, ConfigError
 from megarl.config.schema import role_config
 from megarl.models.gpt import HeadStates, mask_padded_vocab
 from megarl.ops import IGNORE_INDEX, head_token_loss
+from megarl.roles import offload
 from megarl.roles.microbatch import MicroBatch
 from megarl.roles.phases import PhaseClock, PhaseScheduler
 from megarl.roles.role import Role
@@ -272,6 +273,7 @@ class RLStage(Stage):
             with clock.phase("generate"):
                 rollout = self.engine.generate(batch["prompt_ids"], params, seed=seed,
                                                sample_offset=self.dp_rank * rows_per_rank)
+                offload.report_workspaces(self.actor)  # the decode workspace's bytes into the ledger
             generated_tokens += float(rollout.response_lens.sum()) * self.dp_size
             if self.engine.tools is not None:  # calls, failures, observation tokens per sample
                 for name, (total, count) in tool_metric_pairs(rollout).items():

@@ -160,7 +160,7 @@ def _work(cfg: Config, stage: str) -> str:
     if stage == "eval":
         return f"{r.eval_prompts} held-out prompts x {r.eval_samples} samples (up to {r.max_new_tokens} new tokens)"
     d = cfg.data
-    rows = (f"{d.global_batch_size} pairs (2 x {d.seq_length} tokens)" if stage == "reward_model"
+    rows = (f"{d.global_batch_size} pairs (2 x {d.seq_length} tokens)" if stage in ("reward_model", "dpo")
             else f"{d.global_batch_size} sequences x {d.seq_length} tokens")
     return f"{t.steps} steps of {rows}, lr {cfg.optim.lr:g}, {t.precision}"
 

@@ -123,12 +123,17 @@ def needed_roles(cfg: Config) -> list[str]:
     return A.needed_roles(cfg.rl)
 
 
-def role_source_errors(cfg: Config) -> list[str]:
-    """source_errors for every RL role (actor and reference both from "sft": one line), then what
-    the source holds against what the role needs: an architecture megarl reads, the model shape,
-    an LM head for the actor and reference. All before anything is written."""
+def dpo_roles(cfg: Config) -> list[str]:
+    """DPO's policy (the actor) and, unless the loss is reference-free, its reference."""
+    return ["actor"] + ([] if cfg.dpo.loss in A.REFERENCE_FREE else ["reference"])
+
+
+def role_source_errors(cfg: Config, names: list[str] | None = None) -> list[str]:
+    """source_errors for every RL role (or `names`; actor and reference both from "sft": one line),
+    then what the source holds against what the role needs: an architecture megarl reads, the
+    model shape, an LM head for the actor and reference. All before anything is written."""
     errs, seen = [], set()
-    for name in needed_roles(cfg):
+    for name in needed_roles(cfg) if names is None else names:
         rc = role_config(cfg, name)
         key = f"roles.{name}.init_from"
         if (rc.init_from, name in LM_ROLES) in seen:
@@ -188,19 +193,33 @@ def optimizer_steps(cfg: Config) -> int:
     return cfg.train.steps * cfg.rl.ppo_epochs * cfg.rl.mini_batches
 
 
-def build_role(cfg: Config, name: str, *, trained: bool):
+def build_role(cfg: Config, name: str, *, trained: bool, train_steps: int | None = None):
     """The RL role `name` at the run's layout, its settings resolved (roles.<name> over the
-    top-level ones), initialised from roles.<name>.init_from."""
+    top-level ones), initialised from roles.<name>.init_from. train_steps: the LR schedule's
+    optimizer steps (default: RL's)."""
     from megarl.roles.role import Role
 
     rc = role_config(cfg, name)
+    steps = optimizer_steps(cfg) if train_steps is None else train_steps
     role = Role(name, rc.model, cfg.parallel, head="lm" if name in LM_ROLES else "scalar",
                 precision=rc.precision, fp8=cfg.train.fp8, seed=cfg.train.seed,
-                optim=rc.optim if trained else None, schedule=rc.lr_schedule, train_steps=optimizer_steps(cfg))
+                optim=rc.optim if trained else None, schedule=rc.lr_schedule, train_steps=steps)
     src = load_role_weights(cfg, role, rc.init_from, f"roles.{name}.init_from")
     log.info("%s initialised from %s", name, src)
     return role
 
 
+def build_reference(cfg: Config, policy):
+    """The frozen reference `policy` is held to (RL's KL, DPO's log-ratios): today a second model
+    from roles.reference.init_from. The one place that decides it, so that a reference that is
+    the policy itself with its adapters off (LoRA) replaces this function only; callers only run
+    the result forward (`forward_collect`) and move it (offload, onload, residency)."""
+    return build_role(cfg, "reference", trained=False)
+
+
 def build_roles(cfg: Config) -> dict:
-    return {name: build_role(cfg, name, trained=name in ("actor", "critic")) for name in needed_roles(cfg)}
+    roles: dict = {}
+    for name in needed_roles(cfg):
+        roles[name] = (build_reference(cfg, roles["actor"]) if name == "reference"
+                       else build_role(cfg, name, trained=name in ("actor", "critic")))
+    return roles
