@@ -42,7 +42,8 @@ def escapes(host_dir: str) -> list[tuple[str, str, str, str]]:
         ("an interpreter without the hook", BYPASS + f"r = subprocess.run([sys.executable, '-c', {inner!r}], "
          "capture_output=True, text=True)\nprint(r.stdout, end='')\nraise SystemExit(r.stderr.splitlines()[-1])",
          "error", "65534 65534 False False\nerror: OSError: [Errno 101] Network is unreachable"),
-        ("setsid child", BYPASS + CHILD, "ok", "<output>child up\n</output>"),
+        # the parent lives on a while, so that the host's /proc scan sees its child during the call
+        ("setsid child", BYPASS + CHILD + "time.sleep(2)\n", "ok", "<output>child up\n</output>"),
         ("setsid child, timeout", BYPASS + CHILD + "time.sleep(60)\n", "timeout",
          f"error: timed out after {TIMEOUT_S:g}s"),
     ]
