@@ -11,6 +11,20 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron-core's linears of a layer
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the transformer's linears (megarl/models/lora.py); the base is frozen."""
+
+    rank: int = 8
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input
+    # any of linear_qkv (fused q/k/v), linear_proj (attention output), linear_fc1, linear_fc2 (MLP)
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+
 @dataclass
 class ModelConfig:
     """A Llama/Qwen2/Qwen3/Mistral-style decoder: RMSNorm, SwiGLU, RoPE, GQA."""
@@ -37,6 +51,7 @@ class ModelConfig:
     # present, else megatron-core's local modules.
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     init_from: Optional[str] = None  # a megarl checkpoint or Hugging Face directory
+    lora: Optional[LoRAConfig] = None  # set: train low-rank adapters only (the base is frozen)
 
 
 @dataclass

@@ -55,7 +55,7 @@ def split_kind(name: str, param) -> tuple[str | None, int]:
     dim = param.partition_dim
     if name.endswith("word_embeddings.weight") or name == "output_layer.weight":
         return "vocab", dim
-    if name.endswith("linear_fc1.weight"):
+    if name.endswith(("linear_fc1.weight", "linear_fc1.lora_b.weight")):  # LoRA's B: split as fc1's rows
         return "swiglu", dim
     return "chunk", dim
 
@@ -112,10 +112,12 @@ def init_full(canon: str, shape, *, seed: int, std: float, num_layers: int) -> t
     """
     if canon.endswith("norm.weight"):
         return torch.ones(shape)
-    if canon.endswith("bias"):
+    if canon.endswith(("bias", "lora_b.weight")):  # LoRA's B at zero: the adapted model starts as the base
         return torch.zeros(shape)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(canon.encode())) % (2**63))
     scale = std / math.sqrt(2 * num_layers) if canon.endswith(_SCALED_INIT) else std
+    if canon.endswith("lora_a.weight"):  # 1/sqrt(fan-in), as peft's A: B's gradient does not vanish
+        scale = 1.0 / math.sqrt(shape[-1])
     return torch.randn(shape, generator=gen) * scale
 
 

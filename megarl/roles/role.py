@@ -55,7 +55,8 @@ class Role:
         self.optimizer = self.scheduler = None
         self.accumulating = False  # gradients of a step are in the buffers, not yet applied
         gpt = self.build_module(seed=seed, fp8=fp8)
-        self.freeze(gpt, trainable=None if optim is None else ("output_layer." if train_only_head else ""))
+        self.freeze(gpt, trainable=None if optim is None else ("output_layer." if train_only_head else ""),
+                    adapters_only=model_cfg.lora is not None)
         self.chunks = [self.wrap(gpt, trained=optim is not None)]  # one per virtual pipeline stage
         if optim is not None:
             self.attach_optimizer(optim, schedule or LRScheduleConfig(), train_steps)
@@ -68,11 +69,15 @@ class Role:
         return gpt
 
     @staticmethod
-    def freeze(gpt, trainable: str | None) -> None:
-        """trainable: None freezes everything, "" nothing, a prefix all but that prefix.
-        Must run before DDP and the optimizer see the parameters."""
+    def freeze(gpt, trainable: str | None, adapters_only: bool = False) -> None:
+        """trainable: None freezes everything, "" nothing, a prefix all but that prefix;
+        adapters_only: of those, only the LoRA factors (models/lora.py). Must run before DDP and
+        the optimizer see the parameters: both skip frozen ones, so they hold the adapters only."""
+        from megarl.models.lora import is_adapter
+
         for pname, p in gpt.named_parameters():
-            p.requires_grad_(trainable is not None and pname.startswith(trainable))
+            p.requires_grad_(trainable is not None and pname.startswith(trainable)
+                             and (not adapters_only or is_adapter(pname)))
 
     def wrap(self, gpt, *, trained: bool):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
