@@ -180,3 +180,110 @@ def test_lora_config_errors_are_one_line():
     assert len(errs) == 3 and all("\n" not in e for e in errs), errs
     assert "q_proj" in errs[2] and "linear_fc2" in errs[2]
     assert not [e for e in check_config(load_config(None, ["model.lora.rank=4"]), 1, cuda=False) if "lora" in e]
+
+
+def _resume_body(rank, world_size, root, base_dir):
+    """Train 4 steps straight, and 2 + save + (fresh role on the base, load) + 2: the same bits."""
+    import os
+
+    from megarl.algorithms.losses import masked_nll
+    from megarl.checkpoint.distributed import load_checkpoint, save_checkpoint
+    from megarl.models.layout import gather_full_state_dict
+    from megarl.roles.role import Role
+    from megarl.runtime.distributed import init_distributed, teardown
+    from megarl.trainers.common import token_logprobs
+    from megarl.trainers.weights import init_weights
+    from megarl.config import Config
+    from dist_helpers import dp_microbatches
+
+    init_distributed(1, 1, seed=11)
+    model, parallel, optim, sched = _configs()
+    model.lora.dropout = 0.2  # the dropout masks come from the RNG state the checkpoint restores
+    model.init_from = base_dir  # a dense megarl checkpoint: the base the adapters load onto
+    cfg = Config(model=model)
+
+    def role():
+        torch.manual_seed(0)  # the uninterrupted and the interrupted run draw the same dropout masks
+        r = Role("policy", model, parallel, optim=optim, schedule=sched, train_steps=4, seed=9)
+        init_weights(cfg, r)
+        return r
+
+    def loss(batch, logits):
+        return masked_nll(token_logprobs(logits, batch["labels"], VOCAB), batch["loss_mask"])
+
+    def train(r, steps):
+        return [r.train_step(dp_microbatches(_global_batch(s), MBS), loss).metrics["loss"] for s in steps]
+
+    straight = role()
+    losses = train(straight, range(4))
+    first = role()
+    train(first, range(2))
+    path = save_checkpoint(root, 2, {"policy": first}, {"note": "lora"})
+    saved = gather_full_state_dict(first.model, VOCAB)
+    del first
+    resumed = role()
+    state = load_checkpoint(path, {"policy": resumed})
+    out = {"losses": losses, "resumed_losses": train(resumed, range(2, 4)), "state": state,
+           "straight": gather_full_state_dict(straight.model, VOCAB),
+           "resumed": gather_full_state_dict(resumed.model, VOCAB),
+           "files": sorted(os.listdir(path)), "saved": saved, "path": path}
+    from megatron.core import dist_checkpointing
+
+    out["saved_keys"] = sorted(dist_checkpointing.load_tensors_metadata(path))
+    teardown()
+    return out
+
+
+def _reshard_body(rank, world_size, path, base_dir):
+    from megarl.checkpoint.distributed import load_checkpoint
+    from megarl.config import Config
+    from megarl.models.layout import gather_full_state_dict
+    from megarl.roles.role import Role
+    from megarl.runtime.distributed import init_distributed, teardown
+    from megarl.trainers.weights import init_weights
+
+    init_distributed(2, 1, seed=11)
+    model, parallel, optim, sched = _configs(tp=2)
+    model.lora.dropout, model.init_from = 0.2, base_dir
+    r = Role("policy", model, parallel, optim=optim, schedule=sched, train_steps=4, seed=9)
+    init_weights(Config(model=model, parallel=parallel), r)
+    load_checkpoint(path, {"policy": r})
+    out = gather_full_state_dict(r.model, VOCAB)
+    teardown()
+    return out
+
+
+def _dense_base_body(rank, world_size, root):
+    from megarl.checkpoint.distributed import save_checkpoint
+    from megarl.roles.role import Role
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    init_distributed(1, 1, seed=1)
+    model, parallel, _, _ = _configs(lora=False)
+    save_checkpoint(root, 0, {"policy": Role("policy", model, parallel, seed=21)}, {})
+    teardown()
+
+
+@pytest.mark.slow
+def test_checkpoint_holds_the_adapters_alone_and_resumes_bit_exactly(tmp_path):
+    run_distributed(_dense_base_body, 1, str(tmp_path / "base"))
+    out = run_distributed(_resume_body, 1, str(tmp_path / "lora"), str(tmp_path / "base" / "step_00000000"))[0]
+    weights = [k for k in out["saved_keys"] if k.startswith("policy.model.")]
+    assert weights and all(".lora_" in k for k in weights), weights  # no base tensor saved
+    moments = [k for k in out["saved_keys"] if k.startswith("optimizer.state.exp_avg.")]
+    assert moments and all(".lora_" in k for k in moments), moments  # Adam's state: the adapters' only
+    assert out["state"]["step"] == 2 and out["state"]["note"] == "lora"
+    assert out["resumed_losses"] == out["losses"][2:]
+    for name, value in out["straight"].items():
+        assert torch.equal(value, out["resumed"][name]), name
+    from megarl.models.layout import init_full
+
+    # the base came from the dense checkpoint (seed 21), not the role's own init (seed 9)
+    w = "decoder.layers.0.mlp.linear_fc2.weight"
+    assert torch.equal(out["resumed"][w], init_full(w, out["resumed"][w].shape, seed=21, std=0.02, num_layers=2))
+
+    # the adapters reshard: TP2 loads the TP1 save (fc1's B split per SwiGLU half, as fc1's weight)
+    got = run_distributed(_reshard_body, 2, out["path"], str(tmp_path / "base" / "step_00000000"))[0]
+    assert got.keys() == out["saved"].keys()
+    for name, value in out["saved"].items():
+        assert torch.equal(got[name], value), name

@@ -143,7 +143,11 @@ def load_full_state_dict(model, full: Mapping[str, torch.Tensor], vocab_size: in
     serves the shape checks, which all pass before anything is copied."""
     model = unwrap(model)
     tp_rank, tp = _tp()
-    params = [(n, p) for n, p in model.named_parameters() if not n.startswith(tuple(skip_prefixes))]
+    from megarl.models.lora import is_adapter
+
+    base_only = not any(is_adapter(k) for k in full)  # a base model's tensors: LoRA adapters keep their init
+    params = [(n, p) for n, p in model.named_parameters() if not n.startswith(tuple(skip_prefixes))
+              and not (base_only and is_adapter(n))]
     missing, wrong = [], []
     for name, p in params:
         canon = canonical_name(model, name)
