@@ -81,7 +81,9 @@ def _config_for(checkpoint: str, config: str | None, overrides) -> str:
 
 
 def megarl_to_hf(checkpoint: str, out: str, arch: str, config: str | None, overrides=(), tokenizer: str | None = None,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, adapter: bool = False) -> None:
+    """A LoRA checkpoint (model.lora) loads onto its base (model.init_from); the adapters are
+    merged into the base weights, or with `adapter` written as a peft adapter directory."""
     from megarl.checkpoint.distributed import load_weights, resolve_checkpoint
     from megarl.checkpoint.hf import save_hf_checkpoint
     from megarl.config import ParallelConfig
@@ -97,13 +99,27 @@ def megarl_to_hf(checkpoint: str, out: str, arch: str, config: str | None, overr
     path = resolve_checkpoint(checkpoint)
     verify_checkpoint(path)  # before any config is looked for: a broken checkpoint is named as such
     cfg = load_config(_config_for(checkpoint, config, overrides), overrides)
+    if adapter and cfg.model.lora is None:
+        raise ConfigError("--adapter: the checkpoint's model has no model.lora; there are no adapters to write")
     tok_dir = tokenizer or (cfg.tokenizer.path if cfg.tokenizer.kind == "hf" else None)
     special_ids, generation, files = _tokenizer_export(cfg, tok_dir)
     _single_process()
     try:
         role = Role("export", cfg.model, ParallelConfig())
+        if cfg.model.lora is not None:
+            from megarl.trainers.weights import init_weights
+
+            init_weights(cfg, role)  # the base the adapters load onto
         load_weights(path, role)
         canonical = gather_full_state_dict(role.model, cfg.model.vocab_size)
+        if cfg.model.lora is not None:
+            from megarl.models.lora import merge
+
+            if adapter:
+                from megarl.checkpoint.hf import save_peft_adapter
+
+                return save_peft_adapter(out, cfg.model, canonical, base=cfg.model.init_from, overwrite=overwrite)
+            canonical = merge(canonical, cfg.model.lora)
         save_hf_checkpoint(out, cfg.model, canonical, arch, tokenizer_dir=tok_dir, tokenizer_files=files,
                            generation_config=generation, extra_config=special_ids, overwrite=overwrite)
     finally:
@@ -149,7 +165,7 @@ def run(args) -> int:
             print(f"wrote {path} (model section: {os.path.join(args.out, CONFIG_NAME)})")
         else:
             megarl_to_hf(args.checkpoint, args.out, ARCH[args.arch], args.config, args.overrides, args.tokenizer,
-                         overwrite=args.overwrite)
+                         overwrite=args.overwrite, adapter=args.adapter)
             print(f"wrote {args.out}")
     except (ValueError, FileExistsError, NotADirectoryError) as e:  # hf.py reports unsupported or broken inputs by name
         if isinstance(e, ConfigError):
