@@ -8,6 +8,7 @@ import yaml
 
 from dist_helpers import run_distributed
 from megarl_run import megarl
+from test_convert_cli import hf_llama  # noqa: F401 - the fixture: a random tiny Llama
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -16,19 +17,6 @@ TOL = 1e-4
 
 def _tokens():
     return torch.randint(0, 261, (2, 20), generator=torch.Generator().manual_seed(5))
-
-
-@pytest.fixture(scope="module")
-def hf_base(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=261, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      rope_theta=10000.0, tie_word_embeddings=False)
-    d = tmp_path_factory.mktemp("hf") / "base"
-    LlamaForCausalLM(cfg).save_pretrained(d, safe_serialization=True)
-    return d
 
 
 def _train_body(rank, world_size, hf_dir, root):
@@ -67,7 +55,8 @@ def _close(got, want, what):
     assert err <= TOL * scale, f"{what}: max abs diff {err:.3g} exceeds {TOL} x {scale:.3g}"
 
 
-def test_merged_and_peft_exports_match_megarl(tmp_path, hf_base):
+def test_merged_and_peft_exports_match_megarl(tmp_path, request):
+    hf_base = request.getfixturevalue("hf_llama")
     root = tmp_path / "ckpt"
     want = run_distributed(_train_body, 1, str(hf_base), str(root))[0]
     megarl(["convert", "megarl-to-hf", "--checkpoint", str(root), "--out", str(tmp_path / "merged"), "--arch", "llama"])
