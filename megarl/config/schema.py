@@ -7,6 +7,7 @@ empty config runs; real recipes set the model explicitly (see configs/).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -375,6 +376,9 @@ def role_config(cfg: "Config", name: str) -> ResolvedRole:
     init_from = r.init_from
     if init_from is None:  # the reference is the actor's starting point, wherever that is
         init_from = role_config(cfg, "actor").init_from if name == "reference" else ROLE_INIT_DEFAULTS[name]
-    return ResolvedRole(name=name, model=r.model or cfg.model, optim=r.optim or cfg.optim,
+    model = r.model or cfg.model
+    if name in ("critic", "reward") and model.lora is not None:  # LoRA serves the policy; scalar heads train dense
+        model = dataclasses.replace(model, lora=None)
+    return ResolvedRole(name=name, model=model, optim=r.optim or cfg.optim,
                         lr_schedule=r.lr_schedule or cfg.lr_schedule, precision=r.precision or cfg.train.precision,
                         init_from=init_from, offload=r.offload)

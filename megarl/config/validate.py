@@ -69,6 +69,9 @@ def _model_rules(m: ModelConfig, cfg: Config, where: str, cuda: bool) -> list[st
         errs.append(f"{where}.attention_dropout and hidden_dropout must be in [0, 1)")
     if m.lora is not None:
         errs += _lora_rules(m, where)
+        if p.sequence_parallel:
+            errs.append(f"{where}.lora with parallel.sequence_parallel: the adapters run on megatron-core's local "
+                        "layers, whose torch RMSNorm rejects sequence parallelism")
     return errs
 
 

@@ -48,6 +48,9 @@ class Role:
                  optim: OptimConfig | None = None, schedule: LRScheduleConfig | None = None,
                  train_steps: int = 1, train_only_head: bool = False):
         self.name, self.model_cfg, self.head, self.precision = name, model_cfg, head, precision
+        if model_cfg.lora is not None and head != "lm":
+            raise ValueError(f"role {name}: model.lora adapts a language model (sft, rl's actor); a scalar-head "
+                             "model (reward model, critic) trains dense: leave model.lora unset for it")
         # a reward model's pooling of its per-token values into one reward (reward_model.pooling);
         # saved in its checkpoint's manifest, so that RL reads the model as it was trained
         self.reward_pooling: str | None = None

@@ -119,8 +119,14 @@ def load_role_weights(cfg: Config, role, source: str, key: str) -> str:
 
 
 def needed_roles(cfg: Config) -> list[str]:
-    """Which roles exist follows the algorithm and the reward (algorithms/spec.py)."""
-    return A.needed_roles(cfg.rl)
+    """Which roles exist follows the algorithm and the reward (algorithms/spec.py). A LoRA actor
+    is its own reference, the same weights with the adapters off: no reference role is built."""
+    return [n for n in A.needed_roles(cfg.rl) if not (n == "reference" and lora_reference(cfg))]
+
+
+def lora_reference(cfg: Config) -> bool:
+    """Whether the KL's reference is the LoRA actor with its adapters disabled."""
+    return "reference" in A.needed_roles(cfg.rl) and role_config(cfg, "actor").model.lora is not None
 
 
 def role_source_errors(cfg: Config) -> list[str]:

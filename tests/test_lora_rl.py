@@ -1,0 +1,54 @@
+"""LoRA in RL: a GRPO run whose actor trains adapters and whose KL reference is the same model
+with the adapters off (no reference role), and the memory estimator's view of it."""
+import json
+import os
+
+from megarl_run import metrics
+from test_rl import rl_args, run_rl
+
+
+def test_lora_grpo_reference_is_the_actor_without_adapters(tmp_path):
+    run_rl(rl_args(tmp_path, "train.steps=3", "rl.prompts_per_step=4", "rl.samples_per_prompt=4",
+                   "rl.reward_fn=rl_rewards:digits", "optim.lr=3e-2", "rl.kl_coef=0.05",
+                   "model.lora.rank=4", "checkpoint.save_interval=0"))
+    m = metrics(tmp_path / "rl")
+    # B starts at zero: the actor is its base at step 1, and leaves it once the adapters train
+    assert m[0]["kl/mean"] == 0.0
+    assert all(r["kl/mean"] > 1e-4 for r in m[1:]), [r["kl/mean"] for r in m]
+    assert all(r["actor/kl_loss"] > 0 for r in m[1:])
+    # the ledger holds one model: the reference is scored on the actor's own (resident) weights
+    assert "memory/actor/device_gib" in m[0] and not any(k.startswith("memory/reference/") for k in m[0])
+    assert "memory/score_reference_device_gib" in m[0]
+    # the checkpoint: the actor's adapters (and their optimizer state) only
+    step = open(tmp_path / "rl" / "checkpoints" / "latest").read().strip()
+    path = tmp_path / "rl" / "checkpoints" / step
+    manifest = json.loads((path / "megarl_manifest.json").read_text())
+    assert manifest["roles"] == ["actor"] and manifest["lora"]["actor"]["rank"] == 4
+    from megatron.core import dist_checkpointing
+
+    weights = [k for k in dist_checkpointing.load_tensors_metadata(str(path)) if k.startswith("actor.model.")]
+    assert weights and all(".lora_" in k for k in weights)
+
+
+def test_needed_roles_and_memory_estimate_drop_the_reference():
+    from megarl.config import load_config
+    from megarl.models.memory import estimate
+    from megarl.trainers.weights import needed_roles
+
+    here = os.path.dirname(os.path.dirname(__file__))
+    full = load_config(os.path.join(here, "configs", "llama31_8b_grpo.yaml"), ["rl.kl_coef=0.01"])
+    lora = load_config(os.path.join(here, "configs", "llama31_8b_grpo.yaml"), ["rl.kl_coef=0.01", "model.lora.rank=16"])
+    assert needed_roles(full) == ["actor", "reference"] and needed_roles(lora) == ["actor"]
+    world = 8
+    e_full, e_lora = estimate(full, world, "rl", needed_roles(full)), estimate(lora, world, "rl", needed_roles(lora))
+    actor_full, actor_lora = e_full.roles[0], e_lora.roles[0]
+    assert [r.name for r in e_lora.roles] == ["actor"]
+    assert actor_lora.params > actor_full.params  # the base plus the adapters
+    assert actor_lora.optimizer < actor_full.optimizer / 100 and actor_lora.grads < actor_full.grads / 100
+    assert e_lora.states_at_peak < e_full.states_at_peak / 2
+    # rank 16 on all four targets of Llama-3.1-8B: 32 layers x 16 x (fan-in + fan-out) of the fused
+    # qkv [4096 -> 6144], proj [4096 -> 4096], fc1 [4096 -> 2 x 14336], fc2 [14336 -> 4096] (peft's
+    # separate q/k/v and gate/up adapters, 41.9M, have an A each where the fused ones share one)
+    from megarl.models.lora import adapter_param_count
+
+    assert adapter_param_count(lora.model) == 32 * 16 * ((4096 + 6144) + 8192 + (4096 + 28672) + (14336 + 4096))
