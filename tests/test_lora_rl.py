@@ -52,3 +52,12 @@ def test_needed_roles_and_memory_estimate_drop_the_reference():
     from megarl.models.lora import adapter_param_count
 
     assert adapter_param_count(lora.model) == 32 * 16 * ((4096 + 6144) + 8192 + (4096 + 28672) + (14336 + 4096))
+
+
+def test_reward_model_stage_refuses_lora_in_one_line(tmp_path):
+    from megarl_run import TINY, megarl
+
+    out = megarl(["rm", "--config", "configs/tiny_rm.yaml", f"train.run_dir={tmp_path}", *TINY,
+                  "reward_model.init_from=null", "model.lora.rank=4", "train.steps=20"], check=False)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1].startswith("megarl: error: model.lora adapts the policy")
