@@ -6,7 +6,7 @@ import os
 import pytest
 
 from megarl_run import metrics
-from test_rl import PARITY, deterministic, rl_args, run_rl
+from test_rl import PARITY, assert_same_steps, deterministic, rl_args, run_rl
 
 
 def test_lora_grpo_reference_is_the_actor_without_adapters(tmp_path):
@@ -77,10 +77,4 @@ def test_lora_ppo_is_the_same_at_every_layout(tmp_path):
     ref = results.pop("tp1")
     assert ref[-1]["kl/mean"] > 0 and ref[-1]["critic/loss"] > 0
     for name, got in results.items():
-        for a, b in zip(got, ref, strict=True):
-            assert a.keys() == b.keys(), name
-            for k in b:
-                if k == "train/padding_waste":  # a property of each rank's micro-batches
-                    continue
-                tol = dict(abs=2 / 64) if "clip_fraction" in k else dict(rel=1e-5, abs=1e-6)
-                assert a[k] == pytest.approx(b[k], **tol), (name, k, a[k], b[k])
+        assert_same_steps(got, ref, name)
