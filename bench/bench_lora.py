@@ -47,8 +47,8 @@ def _evals(stage_dir):
     with open(os.path.join(stage_dir, "metrics.jsonl")) as f:
         for line in f:
             r = json.loads(line)
-            if "eval/pass@1" in r:
-                out[int(r.get("step", 0))] = (r["eval/pass@1"], r.get("eval/pass@4"))
+            if "eval/pass_at_1" in r:
+                out[int(r.get("step", 0))] = (r["eval/pass_at_1"], r.get("eval/pass_at_4"))
     return out
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -71,7 +72,7 @@ def lora_linear_class(base_cls):
             else:
                 h, _ = self.lora_a(x)
                 delta = self.lora_b(h)
-            return out + self.lora_scale * delta, bias
+            return torch.add(out, delta, alpha=self.lora_scale), bias  # one temporary, not two
 
         def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
             """The base's, with the split factor sharded as its own layer (the base's call would
