@@ -60,7 +60,7 @@ def _maths_body(rank, world_size):
     init_distributed(1, 1, seed=3)
     model, parallel, _, _ = _configs(targets=("linear_qkv", "linear_fc2"))
     dense = _configs(lora=False)[0]
-    adapted, base = Role("policy", model, parallel, seed=3), Role("policy", dense, parallel, seed=3)
+    adapted, base = Role("sft", model, parallel, seed=3), Role("sft", dense, parallel, seed=3)
     tokens = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(1))
     out = {"zero_b": (_logits(adapted, tokens), _logits(base, tokens))}
     randomise_adapters(adapted.model)
@@ -69,7 +69,7 @@ def _maths_body(rank, world_size):
     load_full_state_dict(base.model, lora.merge(canonical, model.lora), VOCAB)
     out["merged"] = (_logits(adapted, tokens), _logits(base, tokens))
     with lora.adapters_disabled(adapted.model):  # the RL reference: the base weights
-        out["disabled"] = (_logits(adapted, tokens), _logits(Role("policy", dense, parallel, seed=3), tokens))
+        out["disabled"] = (_logits(adapted, tokens), _logits(Role("sft", dense, parallel, seed=3), tokens))
     teardown()
     return out
 
@@ -98,7 +98,7 @@ def _body(rank, world_size, tp, pp, distributed_optimizer):
     init_distributed(tp, pp, seed=11)
     model, parallel, optim, sched = _configs(tp, pp)
     parallel.distributed_optimizer = distributed_optimizer
-    lm = Role("policy", model, parallel, head="lm", optim=optim, schedule=sched, train_steps=4, seed=5)
+    lm = Role("sft", model, parallel, head="lm", optim=optim, schedule=sched, train_steps=4, seed=5)
     randomise_adapters(lm.model)
 
     def loss(batch, logits):
@@ -192,7 +192,7 @@ def _resume_body(rank, world_size, root, base_dir):
     from megarl.roles.role import Role
     from megarl.runtime.distributed import init_distributed, teardown
     from megarl.trainers.common import token_logprobs
-    from megarl.trainers.weights import init_weights
+    from megarl.trainers.weights import init_weights, load_role_weights
     from megarl.config import Config
     from dist_helpers import dp_microbatches
 
@@ -204,7 +204,7 @@ def _resume_body(rank, world_size, root, base_dir):
 
     def role():
         torch.manual_seed(0)  # the uninterrupted and the interrupted run draw the same dropout masks
-        r = Role("policy", model, parallel, optim=optim, schedule=sched, train_steps=4, seed=9)
+        r = Role("sft", model, parallel, optim=optim, schedule=sched, train_steps=4, seed=9)
         init_weights(cfg, r)
         return r
 
@@ -218,15 +218,19 @@ def _resume_body(rank, world_size, root, base_dir):
     losses = train(straight, range(4))
     first = role()
     train(first, range(2))
-    path = save_checkpoint(root, 2, {"policy": first}, {"note": "lora"})
+    path = save_checkpoint(root, 2, {"sft": first}, {"note": "lora"})
     saved = gather_full_state_dict(first.model, VOCAB)
     del first
+    # an RL actor started from these adapters (roles.actor.init_from): base from model.init_from, then them
+    started = Role("sft", model, parallel, seed=9)
+    load_role_weights(cfg, started, path, "roles.actor.init_from")
+    started = gather_full_state_dict(started.model, VOCAB)
     resumed = role()
-    state = load_checkpoint(path, {"policy": resumed})
+    state = load_checkpoint(path, {"sft": resumed})
     out = {"losses": losses, "resumed_losses": train(resumed, range(2, 4)), "state": state,
            "straight": gather_full_state_dict(straight.model, VOCAB),
            "resumed": gather_full_state_dict(resumed.model, VOCAB),
-           "files": sorted(os.listdir(path)), "saved": saved, "path": path}
+           "files": sorted(os.listdir(path)), "saved": saved, "path": path, "started": started}
     from megatron.core import dist_checkpointing
 
     out["saved_keys"] = sorted(dist_checkpointing.load_tensors_metadata(path))
@@ -245,9 +249,9 @@ def _reshard_body(rank, world_size, path, base_dir):
     init_distributed(2, 1, seed=11)
     model, parallel, optim, sched = _configs(tp=2)
     model.lora.dropout, model.init_from = 0.2, base_dir
-    r = Role("policy", model, parallel, optim=optim, schedule=sched, train_steps=4, seed=9)
+    r = Role("sft", model, parallel, optim=optim, schedule=sched, train_steps=4, seed=9)
     init_weights(Config(model=model, parallel=parallel), r)
-    load_checkpoint(path, {"policy": r})
+    load_checkpoint(path, {"sft": r})
     out = gather_full_state_dict(r.model, VOCAB)
     teardown()
     return out
@@ -260,7 +264,7 @@ def _dense_base_body(rank, world_size, root):
 
     init_distributed(1, 1, seed=1)
     model, parallel, _, _ = _configs(lora=False)
-    save_checkpoint(root, 0, {"policy": Role("policy", model, parallel, seed=21)}, {})
+    save_checkpoint(root, 0, {"sft": Role("sft", model, parallel, seed=21)}, {})
     teardown()
 
 
@@ -268,7 +272,7 @@ def _dense_base_body(rank, world_size, root):
 def test_checkpoint_holds_the_adapters_alone_and_resumes_bit_exactly(tmp_path):
     run_distributed(_dense_base_body, 1, str(tmp_path / "base"))
     out = run_distributed(_resume_body, 1, str(tmp_path / "lora"), str(tmp_path / "base" / "step_00000000"))[0]
-    weights = [k for k in out["saved_keys"] if k.startswith("policy.model.")]
+    weights = [k for k in out["saved_keys"] if k.startswith("sft.model.")]
     assert weights and all(".lora_" in k for k in weights), weights  # no base tensor saved
     moments = [k for k in out["saved_keys"] if k.startswith("optimizer.state.exp_avg.")]
     assert moments and all(".lora_" in k for k in moments), moments  # Adam's state: the adapters' only
@@ -276,6 +280,8 @@ def test_checkpoint_holds_the_adapters_alone_and_resumes_bit_exactly(tmp_path):
     assert out["resumed_losses"] == out["losses"][2:]
     for name, value in out["straight"].items():
         assert torch.equal(value, out["resumed"][name]), name
+    for name, value in out["saved"].items():
+        assert torch.equal(value, out["started"][name]), name
     from megarl.models.layout import init_full
 
     # the base came from the dense checkpoint (seed 21), not the role's own init (seed 9)

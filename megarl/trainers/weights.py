@@ -99,13 +99,18 @@ def load_role_weights(cfg: Config, role, source: str, key: str) -> str:
                      key=key)
         return path
     with open(os.path.join(path, MANIFEST)) as f:
-        saved = json.load(f)["roles"]
+        manifest = json.load(f)
+    saved = manifest["roles"]
     name = role.name if role.name in saved else (saved[0] if len(saved) == 1 else None)
     if name is None:
         raise ConfigError(f"{key}: {path} holds roles {', '.join(saved)}; none is named {role.name}")
     saved_head = "lm" if name in LM_ROLES else "scalar"
     if saved_head == "scalar" and role.head == "lm":
         raise ConfigError(f"{key}: {path} holds a scalar-head model ({name}); the {role.name} needs a language model")
+    if name in (manifest.get("lora") or {}):  # LoRA adapters alone (a LoRA SFT's): their base first
+        if not role.model_cfg.init_from:
+            raise ConfigError(f"{key}: {path} holds LoRA adapters only; set model.init_from to their base model")
+        init_weights(cfg, role, role.model_cfg, key="model.init_from")
     load_weights(path, role, saved_role=name, skip_head=saved_head != role.head)
     if role.name == "reward":  # read it the way it was trained (reward_model.pooling)
         from megarl.checkpoint.distributed import saved_reward_pooling
