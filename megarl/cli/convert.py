@@ -106,10 +106,14 @@ def megarl_to_hf(checkpoint: str, out: str, arch: str, config: str | None, overr
     _single_process()
     try:
         role = Role("export", cfg.model, ParallelConfig())
-        if cfg.model.lora is not None:
-            from megarl.trainers.weights import init_weights
+        if cfg.model.lora is not None:  # the base the adapters load onto: the SFT's, or the RL actor's start
+            from megarl.config.schema import role_config
+            from megarl.trainers.weights import load_role_weights
 
-            init_weights(cfg, role)  # the base the adapters load onto
+            base = cfg.model.init_from or role_config(cfg, "actor").init_from
+            if base in (None, "random"):
+                raise ConfigError(f"{path}: LoRA adapters need their base; set model.init_from")
+            load_role_weights(cfg, role, base, "model.init_from")
         load_weights(path, role)
         canonical = gather_full_state_dict(role.model, cfg.model.vocab_size)
         if cfg.model.lora is not None:
@@ -118,7 +122,7 @@ def megarl_to_hf(checkpoint: str, out: str, arch: str, config: str | None, overr
             if adapter:
                 from megarl.checkpoint.hf import save_peft_adapter
 
-                return save_peft_adapter(out, cfg.model, canonical, base=cfg.model.init_from, overwrite=overwrite)
+                return save_peft_adapter(out, cfg.model, canonical, base=base, overwrite=overwrite)
             canonical = merge(canonical, cfg.model.lora)
         save_hf_checkpoint(out, cfg.model, canonical, arch, tokenizer_dir=tok_dir, tokenizer_files=files,
                            generation_config=generation, extra_config=special_ids, overwrite=overwrite)
