@@ -228,6 +228,29 @@ def test_megarl_dpo_learns_logs_checkpoints_and_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
+def test_lora_dpo_holds_the_policy_to_its_base_with_no_second_model(tmp_path):
+    """model.lora: the reference is the actor with its adapters off (weights.AdaptersOff), so
+    the first step starts at log 2, as with a second model from the SFT checkpoint, and the
+    checkpoint holds the adapters alone."""
+    import json
+
+    from megarl.checkpoint.distributed import MANIFEST
+    from megarl_run import megarl, metrics
+
+    out = megarl(dpo_args(tmp_path / "a", "train.steps=3", "model.lora.rank=4", "optim.lr=1e-2",
+                          "train.eval_interval=3", "data.synthetic.n_train=8"))
+    assert "the reference is the actor with its LoRA adapters off" in out.stdout
+    records = metrics(tmp_path / "a" / "dpo")
+    train = [r for r in records if "train/loss" in r]
+    assert train[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)  # B = 0: the policy is its base
+    assert train[-1]["train/loss"] < train[0]["train/loss"] and train[-1]["train/reward_margin"] > 0
+    ckpt = tmp_path / "a" / "dpo" / "checkpoints"
+    with open(ckpt / (ckpt / "latest").read_text().strip() / MANIFEST) as f:
+        manifest = json.load(f)
+    assert manifest["roles"] == ["actor"] and manifest["lora"]["actor"]["rank"] == 4
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
 def test_dp2_tp2_and_pp2_match_one_process(tmp_path, layout):
     from megarl_run import megarl, metrics

@@ -94,17 +94,22 @@ def test_every_layout_runs_the_same_ppo_steps(tmp_path):
     ref = results.pop("tp1")
     assert ref[-1]["critic/loss"] > 0 and ref[-1]["actor/grad_norm"] > 0
     for name, got in results.items():
-        assert len(got) == len(ref)
-        for a, b in zip(got, ref):
-            assert a.keys() == b.keys(), name
-            for k in b:
-                if k == "train/padding_waste":  # a property of each rank's micro-batches
-                    continue
-                # a clip indicator may flip on a token sitting at the boundary (rounding): one or
-                # two tokens of the 64 per step; every continuous figure agrees to 1e-5. (Value
-                # clipping is off here: a random critic's values jump past any clip range.)
-                tol = dict(abs=2 / 64) if "clip_fraction" in k else dict(rel=1e-5, abs=1e-6)
-                assert a[k] == pytest.approx(b[k], **tol), (name, k, a[k], b[k])
+        assert_same_steps(got, ref, name)
+
+
+def assert_same_steps(got, ref, name):
+    """PARITY's metrics of a layout against one process's."""
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        assert a.keys() == b.keys(), name
+        for k in b:
+            if k == "train/padding_waste":  # a property of each rank's micro-batches
+                continue
+            # a clip indicator may flip on a token sitting at the boundary (rounding): one or
+            # two tokens of the 64 per step; every continuous figure agrees to 1e-5. (Value
+            # clipping is off here: a random critic's values jump past any clip range.)
+            tol = dict(abs=2 / 64) if "clip_fraction" in k else dict(rel=1e-5, abs=1e-6)
+            assert a[k] == pytest.approx(b[k], **tol), (name, k, a[k], b[k])
 
 
 DAPO = ("train.steps=3", "rl.prompts_per_step=4", "rl.samples_per_prompt=4", "rl.reward_fn=rl_rewards:digits",

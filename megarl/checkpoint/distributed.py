@@ -10,13 +10,16 @@ the directory, then replaces `latest`: a crash at any point leaves the previous 
 intact and `latest` pointing at it. A load verifies the manifest before reading anything.
 
 What is saved, per role: model weights (sharded tensors: any TP/PP/DP layout can load them),
-optimizer state, LR scheduler. Shared: the trainer's `state` dict (step, data position,
+optimizer state, LR scheduler. A LoRA role (model.lora) saves its adapters alone: its frozen
+base is rebuilt from where it came from (model.init_from, roles.<name>.init_from) and the
+adapters load onto it. Shared: the trainer's `state` dict (step, data position,
 tracking run id, any controller state) and per-rank RNG states. RNG states are restored only
 into the same layout they were saved from (a different layout has different ranks).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -27,6 +30,7 @@ import torch
 
 from megarl.checkpoint.write_results import FileQueue
 from megarl.config.hf import model_fields
+from megarl.models.lora import is_adapter
 from megarl.roles.offload import resident_during
 from megarl.runtime.distributed import barrier, is_rank0
 from megarl.utils.atomic import write_atomic
@@ -90,12 +94,18 @@ def _sharded_state_dict(roles: dict, state: dict, rng, is_loading: bool) -> dict
     sd = {"state": state, "rng": _rng_sharded_object(rng)} if rng is not None else {"state": state}
     for name, role in roles.items():
         model_sd = unwrap(role.model).sharded_state_dict(prefix=f"{name}.model.")
+        if _lora(role) is not None:  # the frozen base is not saved (see the module docstring)
+            model_sd = {k: v for k, v in model_sd.items() if is_adapter(k)}
         entry = {"model": model_sd}
         if role.optimizer is not None:
             entry["optimizer"] = role.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_METADATA)
             entry["scheduler"] = role.scheduler.state_dict()
         sd[name] = entry
     return sd
+
+
+def _lora(role):
+    return getattr(getattr(role, "model_cfg", None), "lora", None)
 
 
 def _fsync_tree(path: str) -> dict:
@@ -157,10 +167,11 @@ def save_checkpoint(root: str, step: int, roles: dict, state: dict, keep_last: i
     shapes = {n: model_shape(r.model_cfg) for n, r in roles.items() if getattr(r, "model_cfg", None) is not None}
     # how a reward model is read (algorithms.losses.sequence_reward), so that RL reads it the same way
     pooling = {n: r.reward_pooling for n, r in roles.items() if getattr(r, "reward_pooling", None)}
+    adapters = {n: dataclasses.asdict(_lora(r)) for n, r in roles.items() if _lora(r) is not None}
 
     def publish():
         with disk_full_named(root, tmp, step):
-            _publish(root, tmp, final, step, sorted(roles), keep_last, shapes, pooling)
+            _publish(root, tmp, final, step, sorted(roles), keep_last, shapes, pooling, adapters)
         if on_durable is not None:
             on_durable(final)
 
@@ -270,7 +281,7 @@ def _load_one_line(load, path: str):
 
 
 def _publish(root: str, tmp: str, final: str, step: int, role_names: list, keep_last: int,
-             shapes: dict | None = None, pooling: dict | None = None) -> None:
+             shapes: dict | None = None, pooling: dict | None = None, adapters: dict | None = None) -> None:
     """Make the written `tmp` durable and the newest checkpoint: fsync, manifest, rename, latest."""
     barrier()
     if is_rank0():
@@ -280,6 +291,8 @@ def _publish(root: str, tmp: str, final: str, step: int, role_names: list, keep_
                     "models": shapes or {}}
         if pooling:
             manifest["reward_pooling"] = pooling
+        if adapters:  # roles saved as LoRA adapters alone, with their settings
+            manifest["lora"] = adapters
         write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -411,7 +424,9 @@ def load_checkpoint(path: str, roles: dict, *, load_optimizer: bool = True) -> d
     for name, role in roles.items():
         prefix = f"{name}.model."
         weights = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in loaded[name]["model"].items()}
-        unwrap(role.model).load_state_dict(weights, strict=True)
+        result = unwrap(role.model).load_state_dict(weights, strict=_lora(role) is None)
+        if _lora(role) is not None and ([k for k in result.missing_keys if is_adapter(k)] or result.unexpected_keys):
+            raise CheckpointError(f"{path}: the {name}'s adapters do not fit model.lora")
         if load_optimizer and role.optimizer is not None:
             role.optimizer.load_state_dict(loaded[name]["optimizer"])
             role.scheduler.load_state_dict(loaded[name]["scheduler"])
@@ -444,10 +459,17 @@ def load_weights(path: str, role, *, saved_role: str | None = None, skip_head: b
     sd = model.sharded_state_dict(prefix=prefix)
     if skip_head:
         sd = {k: v for k, v in sd.items() if not k[len(prefix):].startswith("output_layer.")}
+    # adapters alone load onto a base already loaded; a dense checkpoint leaves the adapters as they are
+    adapters_only = saved_role in (manifest.get("lora") or {})
+    if adapters_only and _lora(role) is None:
+        raise CheckpointError(f"{path}: holds the {saved_role}'s LoRA adapters only; load them with model.lora set and "
+                              "model.init_from at their base, or export them merged (megarl convert megarl-to-hf)")
+    sd = {k: v for k, v in sd.items() if is_adapter(k) == adapters_only}
     loaded = _load_one_line(lambda: dist_checkpointing.load(sd, path), path)
     weights = {k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)}
     result = model.load_state_dict(weights, strict=False)
-    missing = [k for k in result.missing_keys if not (skip_head and k.startswith("output_layer."))]
+    missing = [k for k in result.missing_keys if not (skip_head and k.startswith("output_layer."))
+               and is_adapter(k) == adapters_only]
     if missing or result.unexpected_keys:
         raise CheckpointError(f"{path}: weights do not fit this model (missing {missing}, unexpected {result.unexpected_keys})")
     if getattr(role, "optimizer", None) is not None:  # bf16/fp16: fp32 main params would undo the load at the next step

@@ -519,6 +519,50 @@ def save_hf_checkpoint(out_dir: str, model_cfg: ModelConfig, canonical: dict[str
                 f.write(text)
 
 
+_PEFT_TARGETS = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "linear_proj": ("self_attn", ("o_proj",)),
+                 "linear_fc1": ("mlp", ("gate_proj", "up_proj")), "linear_fc2": ("mlp", ("down_proj",))}
+
+
+def canonical_lora_to_peft(mc: ModelConfig, canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Canonical LoRA factors -> peft's tensors for the HF model. A fused linear's adapter
+    becomes one adapter per HF linear: A shared, B split as the fused weight's rows are."""
+    d, out = _Dims.of(mc), {}
+    for i in range(d.layers):
+        for target in mc.lora.targets:
+            block, names = _PEFT_TARGETS[target]
+            where = "self_attention" if block == "self_attn" else "mlp"
+            a = canonical[f"decoder.layers.{i}.{where}.{target}.lora_a.weight"]
+            b = canonical[f"decoder.layers.{i}.{where}.{target}.lora_b.weight"]
+            parts = _split_qkv(b, d) if target == "linear_qkv" else b.chunk(2, 0) if target == "linear_fc1" else (b,)
+            for name, part in zip(names, parts):
+                p = f"base_model.model.model.layers.{i}.{block}.{name}."
+                out[p + "lora_A.weight"], out[p + "lora_B.weight"] = a.clone(), part.contiguous().clone()
+    return out
+
+
+def save_peft_adapter(out_dir: str, model_cfg: ModelConfig, canonical: dict[str, torch.Tensor], *,
+                      base: str | None = None, overwrite: bool = False) -> None:
+    """Write model_cfg.lora's adapters as a directory `peft.PeftModel.from_pretrained(base_model,
+    out_dir)` loads (adapter_config.json + adapter_model.safetensors); atomic, as save_hf_checkpoint."""
+    from safetensors.torch import save_file
+
+    from megarl.utils.atomic import as_created, atomic_directory
+
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir}: exists and is not empty (refusing to replace it; --overwrite does)")
+    lo = model_cfg.lora
+    tensors = {k: v.detach().cpu().contiguous() for k, v in canonical_lora_to_peft(model_cfg, canonical).items()}
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lo.rank, "lora_alpha": lo.alpha,
+              "lora_dropout": lo.dropout, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+              "target_modules": sorted(n for t in lo.targets for n in _PEFT_TARGETS[t][1]),
+              "base_model_name_or_path": base, "inference_mode": True}
+    with atomic_directory(out_dir, replace=True) as tmp:
+        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+        as_created(os.path.join(tmp, "adapter_model.safetensors"))
+        _write_json(os.path.join(tmp, "adapter_config.json"), config)
+
+
 def _write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
@@ -528,4 +572,5 @@ def _write_json(path: str, obj) -> None:
 __all__ = [
     "ARCHITECTURES", "LazyCanonical", "byte_tokenizer_files", "canonical_shapes", "canonical_to_hf", "hf_config_to_model_config",
     "hf_shapes", "hf_to_canonical", "load_hf_checkpoint", "model_config_to_hf_config", "save_hf_checkpoint",
+    "save_peft_adapter",
 ]

@@ -91,7 +91,9 @@ def _config_for(checkpoint: str, config: str | None, overrides) -> str:
 
 
 def megarl_to_hf(checkpoint: str, out: str, arch: str, config: str | None, overrides=(), tokenizer: str | None = None,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, adapter: bool = False) -> None:
+    """A LoRA checkpoint (model.lora) loads onto its base (model.init_from); the adapters are
+    merged into the base weights, or with `adapter` written as a peft adapter directory."""
     from megarl.checkpoint.distributed import load_weights, resolve_checkpoint
     from megarl.checkpoint.hf import save_hf_checkpoint
     from megarl.config import ParallelConfig
@@ -108,13 +110,31 @@ def megarl_to_hf(checkpoint: str, out: str, arch: str, config: str | None, overr
     verify_checkpoint(path)  # before any config is looked for: a broken checkpoint is named as such
     config = _config_for(checkpoint, config, overrides)
     cfg = load_config(config, overrides)
+    if adapter and cfg.model.lora is None:
+        raise ConfigError("--adapter: the checkpoint's model has no model.lora; there are no adapters to write")
     tok_dir = tokenizer or _hf_tokenizer(cfg, config)
     special_ids, generation, files = _tokenizer_export(cfg, tok_dir)
     _single_process()
     try:
         role = Role("export", cfg.model, ParallelConfig())
+        if cfg.model.lora is not None:  # the base the adapters load onto: the SFT's, or the RL actor's start
+            from megarl.config.schema import role_config
+            from megarl.trainers.weights import load_role_weights
+
+            base = cfg.model.init_from or role_config(cfg, "actor").init_from
+            if base in (None, "random"):
+                raise ConfigError(f"{path}: LoRA adapters need their base; set model.init_from")
+            load_role_weights(cfg, role, base, "model.init_from")
         load_weights(path, role)
         canonical = gather_full_state_dict(role.model, cfg.model.vocab_size)
+        if cfg.model.lora is not None:
+            from megarl.models.lora import merge
+
+            if adapter:
+                from megarl.checkpoint.hf import save_peft_adapter
+
+                return save_peft_adapter(out, cfg.model, canonical, base=base, overwrite=overwrite)
+            canonical = merge(canonical, cfg.model.lora)
         save_hf_checkpoint(out, cfg.model, canonical, arch, tokenizer_dir=tok_dir, tokenizer_files=files,
                            generation_config=generation, extra_config=special_ids, overwrite=overwrite)
     finally:
@@ -176,7 +196,7 @@ def run(args) -> int:
             print(f"wrote {path} (model section: {os.path.join(args.out, CONFIG_NAME)})")
         else:
             megarl_to_hf(args.checkpoint, args.out, ARCH[args.arch], args.config, args.overrides, args.tokenizer,
-                         overwrite=args.overwrite)
+                         overwrite=args.overwrite, adapter=args.adapter)
             print(f"wrote {args.out}")
     except (ValueError, FileExistsError, NotADirectoryError) as e:  # hf.py reports unsupported or broken inputs by name
         if isinstance(e, ConfigError):

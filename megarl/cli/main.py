@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied along (default: "
                    "the tokenizer the model's config.yaml names; hf-to-megarl records the HF one)")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: refuse)")
+    c.add_argument("--adapter", action="store_true",
+                   help="model.lora: write the adapters as a peft adapter directory (default: merge them into the base)")
     _config_args(c, required=False)
     p = sub.add_parser("doctor", help="versions, devices and (--gpu) GPU checks of this machine, as a table and JSON",
                        description="The support table, devices and csrc build of this machine; --gpu runs the "

@@ -7,8 +7,23 @@ empty config runs; real recipes set the model explicitly (see configs/).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional
+
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron-core's linears of a layer
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the transformer's linears (megarl/models/lora.py); the base is frozen."""
+
+    rank: int = 8
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input
+    # any of linear_qkv (fused q/k/v), linear_proj (attention output), linear_fc1, linear_fc2 (MLP)
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
 
 
 @dataclass
@@ -40,6 +55,7 @@ class ModelConfig:
     # a Hugging Face directory whose config.json gives every field that changes the maths (shapes,
     # RoPE, norm eps, ...: config/hf.py); fields written beside it must agree (loader.py)
     from_hf: Optional[str] = None
+    lora: Optional[LoRAConfig] = None  # set: train low-rank adapters only (the base is frozen)
 
 
 @dataclass
@@ -387,6 +403,9 @@ def role_config(cfg: "Config", name: str) -> ResolvedRole:
     init_from = r.init_from
     if init_from is None:  # the reference is the actor's starting point, wherever that is
         init_from = role_config(cfg, "actor").init_from if name == "reference" else ROLE_INIT_DEFAULTS[name]
-    return ResolvedRole(name=name, model=r.model or cfg.model, optim=r.optim or cfg.optim,
+    model = r.model or cfg.model
+    if name in ("critic", "reward") and model.lora is not None:  # LoRA serves the policy; scalar heads train dense
+        model = dataclasses.replace(model, lora=None)
+    return ResolvedRole(name=name, model=model, optim=r.optim or cfg.optim,
                         lr_schedule=r.lr_schedule or cfg.lr_schedule, precision=r.precision or cfg.train.precision,
                         init_from=init_from, offload=r.offload)

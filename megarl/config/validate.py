@@ -13,7 +13,7 @@ import torch
 
 from megarl.config.fp8 import TE_HINT, DeviceInfo, detect_device, fp8_batch_errors, fp8_errors
 from megarl.config.loader import ConfigError
-from megarl.config.schema import Config, ModelConfig
+from megarl.config.schema import LORA_TARGETS, Config, ModelConfig
 
 
 def has_module(name: str) -> bool:
@@ -67,6 +67,26 @@ def _model_rules(m: ModelConfig, cfg: Config, where: str, cuda: bool) -> list[st
             errs.append(f"{where}.transformer_impl=transformer_engine needs a CUDA GPU; use 'local' or 'auto' on CPU")
     if not 0.0 <= m.attention_dropout < 1 or not 0.0 <= m.hidden_dropout < 1:
         errs.append(f"{where}.attention_dropout and hidden_dropout must be in [0, 1)")
+    if m.lora is not None:
+        errs += _lora_rules(m, where)
+        if p.sequence_parallel:
+            errs.append(f"{where}.lora with parallel.sequence_parallel: the adapters run on megatron-core's local "
+                        "layers, whose torch RMSNorm rejects sequence parallelism")
+    return errs
+
+
+def _lora_rules(m, where: str) -> list[str]:
+    lo, errs = m.lora, []
+    if lo.rank < 1:
+        errs.append(f"{where}.lora.rank must be >= 1, got {lo.rank}")
+    if not 0.0 <= lo.dropout < 1:
+        errs.append(f"{where}.lora.dropout must be in [0, 1), got {lo.dropout}")
+    bad = [t for t in lo.targets if t not in LORA_TARGETS]
+    if bad or not lo.targets or len(set(lo.targets)) != len(lo.targets):
+        errs.append(f"{where}.lora.targets must be distinct names among {', '.join(LORA_TARGETS)}, got {lo.targets}")
+    if m.transformer_impl == "transformer_engine":
+        errs.append(f"{where}.lora: adapters wrap megatron-core's local linears (TE fuses the norm the adapter "
+                    f"reads into its GEMM); set {where}.transformer_impl to auto or local")
     return errs
 
 

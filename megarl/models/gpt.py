@@ -34,7 +34,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def use_transformer_engine(mc: ModelConfig) -> bool:
-    if mc.transformer_impl == "local":
+    if mc.transformer_impl == "local" or mc.lora is not None:  # LoRA reads the normed input TE fuses away
         return False
     available = torch.cuda.is_available() and has_module("transformer_engine")
     return available if mc.transformer_impl == "auto" else True
@@ -100,6 +100,10 @@ def layer_spec(mc: ModelConfig):
     else:
         spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.qk_norm)
     spec.submodules.self_attention.module = self_attention_class()
+    if mc.lora is not None:
+        from megarl.models.lora import apply_to_spec
+
+        apply_to_spec(spec, mc.lora)
     return spec
 
 

@@ -55,7 +55,7 @@ def split_kind(name: str, param) -> tuple[str | None, int]:
     dim = param.partition_dim
     if name.endswith("word_embeddings.weight") or name == "output_layer.weight":
         return "vocab", dim
-    if name.endswith("linear_fc1.weight"):
+    if name.endswith(("linear_fc1.weight", "linear_fc1.lora_b.weight")):  # LoRA's B: split as fc1's rows
         return "swiglu", dim
     return "chunk", dim
 
@@ -112,10 +112,12 @@ def init_full(canon: str, shape, *, seed: int, std: float, num_layers: int) -> t
     """
     if canon.endswith("norm.weight"):
         return torch.ones(shape)
-    if canon.endswith("bias"):
+    if canon.endswith(("bias", "lora_b.weight")):  # LoRA's B at zero: the adapted model starts as the base
         return torch.zeros(shape)
     gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(canon.encode())) % (2**63))
     scale = std / math.sqrt(2 * num_layers) if canon.endswith(_SCALED_INIT) else std
+    if canon.endswith("lora_a.weight"):  # 1/sqrt(fan-in), as peft's A: B's gradient does not vanish
+        scale = 1.0 / math.sqrt(shape[-1])
     return torch.randn(shape, generator=gen) * scale
 
 
@@ -141,7 +143,11 @@ def load_full_state_dict(model, full: Mapping[str, torch.Tensor], vocab_size: in
     serves the shape checks, which all pass before anything is copied."""
     model = unwrap(model)
     tp_rank, tp = _tp()
-    params = [(n, p) for n, p in model.named_parameters() if not n.startswith(tuple(skip_prefixes))]
+    from megarl.models.lora import is_adapter
+
+    base_only = not any(is_adapter(k) for k in full)  # a base model's tensors: LoRA adapters keep their init
+    params = [(n, p) for n, p in model.named_parameters() if not n.startswith(tuple(skip_prefixes))
+              and not (base_only and is_adapter(n))]
     missing, wrong = [], []
     for name, p in params:
         canon = canonical_name(model, name)

@@ -6,7 +6,8 @@ torch.cuda.max_memory_allocated are the measurements):
   layer), after TP/PP sharding: weights in the training precision (GEMM weights 1 byte with
   train.fp8.param_gather), fp32 gradient buffers (megarl reduces gradients in fp32) and Adam state
   (fp32 master copy unless fp32 training, exp_avg, exp_avg_sq), divided over DP with the
-  distributed optimizer;
+  distributed optimizer; a LoRA role (model.lora) has gradients and Adam state for its adapters
+  only, and a LoRA actor is its own reference (no reference role: trainers/weights.py);
 - offload: a role's offloaded states are on the GPU only in its own phases, so the peak holds
   every role's resident states plus the largest one role's offloaded states;
 - activations of one training micro-batch without recomputation, per token and layer:
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 from megarl.config.schema import Config, ModelConfig, OffloadConfig, role_config
 from megarl.models.gpt import padded_vocab_size
+from megarl.models.lora import adapter_param_count
 
 GiB = 2**30
 OVERHEAD_BYTES = 3 * GiB  # CUDA context (~0.5-1 GiB), NCCL buffers, allocator fragmentation
@@ -85,10 +87,14 @@ def role_memory(name: str, m: ModelConfig, cfg: Config, dp: int, precision: str,
     n = stage_params(m, p.tp, p.pp, head)
     fp8_weights = cfg.train.fp8.format is not None and cfg.train.fp8.param_gather
     params = (n.gemm * (1 if fp8_weights else BYTES[precision])) + n.other * BYTES[precision]
+    trainable = n.total
+    if m.lora is not None:  # a frozen base: gradients and Adam state for the adapters only
+        trainable = adapter_param_count(m, p.tp, p.pp)
+        params += trainable * BYTES[precision]
     if not trained:
         return RoleMemory(name, params, 0, 0, offload)
-    adam = (8 if precision == "fp32" else 12) * n.total  # (master copy +) exp_avg + exp_avg_sq, fp32
-    return RoleMemory(name, params, 4 * n.total, adam // dp if p.distributed_optimizer else adam, offload)
+    adam = (8 if precision == "fp32" else 12) * trainable  # (master copy +) exp_avg + exp_avg_sq, fp32
+    return RoleMemory(name, params, 4 * trainable, adam // dp if p.distributed_optimizer else adam, offload)
 
 
 def activation_bytes(m: ModelConfig, cfg: Config, precision: str, tokens: int, micro_batches: int,

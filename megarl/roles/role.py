@@ -48,6 +48,9 @@ class Role:
                  optim: OptimConfig | None = None, schedule: LRScheduleConfig | None = None,
                  train_steps: int = 1, train_only_head: bool = False):
         self.name, self.model_cfg, self.head, self.precision = name, model_cfg, head, precision
+        if model_cfg.lora is not None and head != "lm":
+            raise ValueError(f"role {name}: model.lora adapts a language model (sft, rl's actor); a scalar-head "
+                             "model (reward model, critic) trains dense: leave model.lora unset for it")
         # a reward model's pooling of its per-token values into one reward (reward_model.pooling);
         # saved in its checkpoint's manifest, so that RL reads the model as it was trained
         self.reward_pooling: str | None = None
@@ -55,7 +58,8 @@ class Role:
         self.optimizer = self.scheduler = None
         self.accumulating = False  # gradients of a step are in the buffers, not yet applied
         gpt = self.build_module(seed=seed, fp8=fp8)
-        self.freeze(gpt, trainable=None if optim is None else ("output_layer." if train_only_head else ""))
+        self.freeze(gpt, trainable=None if optim is None else ("output_layer." if train_only_head else ""),
+                    adapters_only=model_cfg.lora is not None)
         self.chunks = [self.wrap(gpt, trained=optim is not None)]  # one per virtual pipeline stage
         if optim is not None:
             self.attach_optimizer(optim, schedule or LRScheduleConfig(), train_steps)
@@ -68,11 +72,15 @@ class Role:
         return gpt
 
     @staticmethod
-    def freeze(gpt, trainable: str | None) -> None:
-        """trainable: None freezes everything, "" nothing, a prefix all but that prefix.
-        Must run before DDP and the optimizer see the parameters."""
+    def freeze(gpt, trainable: str | None, adapters_only: bool = False) -> None:
+        """trainable: None freezes everything, "" nothing, a prefix all but that prefix;
+        adapters_only: of those, only the LoRA factors (models/lora.py). Must run before DDP and
+        the optimizer see the parameters: both skip frozen ones, so they hold the adapters only."""
+        from megarl.models.lora import is_adapter
+
         for pname, p in gpt.named_parameters():
-            p.requires_grad_(trainable is not None and pname.startswith(trainable))
+            p.requires_grad_(trainable is not None and pname.startswith(trainable)
+                             and (not adapters_only or is_adapter(pname)))
 
     def wrap(self, gpt, *, trained: bool):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -26,6 +26,7 @@ from megarl.config import Config
 from megarl.config.schema import DPOConfig
 from megarl.ops import IGNORE_INDEX, head_logprobs
 from megarl.roles.microbatch import MicroBatch
+from megarl.runtime.distributed import is_rank0
 from megarl.trainers import data_setup, weights
 from megarl.trainers.common import SupervisedStage
 from megarl.trainers.loop import train_stage
@@ -88,6 +89,8 @@ class DPOStage(SupervisedStage):
         self.reference = None
         if "reference" in weights.dpo_roles(cfg):
             self.reference = weights.build_reference(cfg, self.policy)
+            if isinstance(self.reference, weights.AdaptersOff) and is_rank0():
+                print("dpo: the reference is the actor with its LoRA adapters off (no second model)", flush=True)
         train = data_setup.train_iterator(cfg, paths["train"], "preferences", tok, stage_dir)
         self.eval_ds = data_setup.dataset(cfg, paths["eval"], "preferences", tok) if paths["eval"] else None
         self.loss = dpo_loss(cfg.dpo)

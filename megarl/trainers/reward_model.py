@@ -81,6 +81,9 @@ def sft_source(cfg: Config) -> str | None:
 
 def build_stage(cfg: Config, stage_dir: str) -> SupervisedStage:
     r = cfg.reward_model
+    if cfg.model.lora is not None:
+        raise ConfigError("model.lora adapts the policy (sft, rl's actor); the reward model trains dense: "
+                          "unset model.lora for `megarl rm` (reward_model.freeze_backbone trains the head alone)")
     tok = data_setup.tokenizer(cfg)
     paths = data_setup.stage_paths(cfg, STAGE)
     role = Role(STAGE, cfg.model, cfg.parallel, head="scalar", precision=cfg.train.precision, fp8=cfg.train.fp8,

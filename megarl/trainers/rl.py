@@ -18,6 +18,7 @@ are frozen and rebuilt from where they came from on resume (trainers/weights.py)
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, fields, replace
@@ -28,6 +29,7 @@ from megarl import algorithms as A
 from megarl.config import Config, ConfigError
 from megarl.config.schema import role_config
 from megarl.models.gpt import HeadStates, mask_padded_vocab
+from megarl.models.lora import adapters_disabled
 from megarl.ops import IGNORE_INDEX, head_token_loss
 from megarl.roles import offload
 from megarl.roles.microbatch import MicroBatch
@@ -39,7 +41,7 @@ from megarl.trainers.common import mix_seed, padding_waste, plan_microbatches
 from megarl.trainers.evaluate import eval_sampling, pass_at_k_eval, rl_sampling, rollout_engine, tool_metric_pairs
 from megarl.trainers.loop import Stage, train_stage
 from megarl.trainers.stops import StageStopped
-from megarl.trainers.weights import build_roles
+from megarl.trainers.weights import build_roles, lora_reference
 
 log = logging.getLogger("megarl")
 
@@ -195,6 +197,8 @@ class RLStage(Stage):
         self.all_roles = build_roles(cfg)
         self.roles = {n: role for n, role in self.all_roles.items() if role.trained}  # checkpointed
         self.actor = self.all_roles["actor"]
+        # the KL's reference: its own role, or the LoRA actor with its adapters off (no second model)
+        self.reference = self.actor if lora_reference(cfg) else self.all_roles.get("reference")
         self.engine = rollout_engine(cfg, self.actor, self.tok)
         self.reward_fn = load_reward_fn(r.reward_fn) if r.reward_fn else None
         self.eval_reward_fn = load_reward_fn(r.eval_reward_fn)
@@ -222,6 +226,8 @@ class RLStage(Stage):
         for frozen in ("reference", "reward"):
             if frozen in names:
                 plan[f"score_{frozen}"] = {frozen: ["params"]}
+        if self.reference is self.actor:
+            plan["score_reference"] = {"actor": ["params"]}
         if "critic" in names:
             plan["score_critic"] = {"critic": ["params"]}
             plan["train_critic"] = {"critic": "all"}
@@ -381,10 +387,10 @@ class RLStage(Stage):
         else:
             with clock.phase("score_actor"):
                 exp.old_logp = collect_per_token(self.actor, exp, groups, lambda b, o: logprobs(b, o)[0], fused)
-        if "reference" in self.all_roles:
-            with clock.phase("score_reference"):
-                exp.ref_logp = collect_per_token(self.all_roles["reference"], exp, groups,
-                                                 lambda b, o: logprobs(b, o)[0], fused)
+        if self.reference is not None:
+            off = adapters_disabled(self.actor.model) if self.reference is self.actor else contextlib.nullcontext()
+            with clock.phase("score_reference"), off:
+                exp.ref_logp = collect_per_token(self.reference, exp, groups, lambda b, o: logprobs(b, o)[0], fused)
         if "critic" in self.all_roles:
             with clock.phase("score_critic"):
                 exp.values = collect_per_token(self.all_roles["critic"], exp, groups, lambda b, o: o.squeeze(-1))
@@ -469,7 +475,7 @@ class RLStage(Stage):
     def _policy_loss(self):
         r = self.cfg.rl
         logprobs = _token_logprobs(self.cfg.model.vocab_size, r.temperature, with_entropy=r.entropy_coef > 0)
-        kl_loss = r.kl_in == "loss" and "reference" in self.all_roles
+        kl_loss = r.kl_in == "loss" and self.reference is not None
         kl_coef = self.kl_ctl.value if kl_loss else 0.0
 
         clip = dict(clip_low=r.clip_low, clip_high=r.clip_high, dual_clip=r.dual_clip, entropy_coef=r.entropy_coef,

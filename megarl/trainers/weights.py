@@ -99,13 +99,18 @@ def load_role_weights(cfg: Config, role, source: str, key: str) -> str:
                      key=key)
         return path
     with open(os.path.join(path, MANIFEST)) as f:
-        saved = json.load(f)["roles"]
+        manifest = json.load(f)
+    saved = manifest["roles"]
     name = role.name if role.name in saved else (saved[0] if len(saved) == 1 else None)
     if name is None:
         raise ConfigError(f"{key}: {path} holds roles {', '.join(saved)}; none is named {role.name}")
     saved_head = "lm" if name in LM_ROLES else "scalar"
     if saved_head == "scalar" and role.head == "lm":
         raise ConfigError(f"{key}: {path} holds a scalar-head model ({name}); the {role.name} needs a language model")
+    if name in (manifest.get("lora") or {}):  # LoRA adapters alone (a LoRA SFT's): their base first
+        if not role.model_cfg.init_from:
+            raise ConfigError(f"{key}: {path} holds LoRA adapters only; set model.init_from to their base model")
+        init_weights(cfg, role, role.model_cfg, key="model.init_from")
     load_weights(path, role, saved_role=name, skip_head=saved_head != role.head)
     if role.name == "reward":  # read it the way it was trained (reward_model.pooling)
         from megarl.checkpoint.distributed import saved_reward_pooling
@@ -119,8 +124,14 @@ def load_role_weights(cfg: Config, role, source: str, key: str) -> str:
 
 
 def needed_roles(cfg: Config) -> list[str]:
-    """Which roles exist follows the algorithm and the reward (algorithms/spec.py)."""
-    return A.needed_roles(cfg.rl)
+    """Which roles exist follows the algorithm and the reward (algorithms/spec.py). A LoRA actor
+    is its own reference, the same weights with the adapters off: no reference role is built."""
+    return [n for n in A.needed_roles(cfg.rl) if not (n == "reference" and lora_reference(cfg))]
+
+
+def lora_reference(cfg: Config) -> bool:
+    """Whether the KL's reference is the LoRA actor with its adapters disabled."""
+    return "reference" in A.needed_roles(cfg.rl) and role_config(cfg, "actor").model.lora is not None
 
 
 def dpo_roles(cfg: Config) -> list[str]:
@@ -210,11 +221,27 @@ def build_role(cfg: Config, name: str, *, trained: bool, train_steps: int | None
 
 
 def build_reference(cfg: Config, policy):
-    """The frozen reference `policy` is held to (RL's KL, DPO's log-ratios): today a second model
-    from roles.reference.init_from. The one place that decides it, so that a reference that is
-    the policy itself with its adapters off (LoRA) replaces this function only; callers only run
-    the result forward (`forward_collect`) and move it (offload, onload, residency)."""
+    """The frozen reference DPO holds `policy` to: a second model from roles.reference.init_from,
+    or, for a LoRA policy, the policy itself with its adapters off (no second model). Callers
+    only run the result forward (`forward_collect`). RL's KL reference follows the same rule
+    through `needed_roles` / `lora_reference` (its phases tell the actor from the reference)."""
+    if role_config(cfg, "actor").model.lora is not None:
+        return AdaptersOff(policy)
     return build_role(cfg, "reference", trained=False)
+
+
+class AdaptersOff:
+    """A LoRA policy as its own reference: its forward passes with every adapter off, i.e. the
+    frozen base model. It holds nothing of its own."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def forward_collect(self, microbatches, collect) -> list:
+        from megarl.models.lora import adapters_disabled
+
+        with adapters_disabled(self.policy.model):
+            return self.policy.forward_collect(microbatches, collect)
 
 
 def build_roles(cfg: Config) -> dict:
