@@ -139,6 +139,24 @@ def dp_microbatches(global_batch: dict, micro_batch_size: int) -> list[dict]:
     return out
 
 
+def full_gradients(role, microbatches, loss_fn, vocab_size):
+    """The canonical gradients of one forward-backward of `role` (rank 0; None elsewhere),
+    gathered through the same path as parameters; the role's weights are left as they were."""
+    from megarl.models.layout import gather_full_state_dict, unwrap
+
+    for c in role.chunks:
+        c.zero_grad_buffer()
+    role.forward_backward(microbatches, loss_fn)
+    params = list(unwrap(role.model).parameters())
+    saved = [p.detach().clone() for p in params]
+    for p in params:
+        p.data.copy_(p.main_grad)
+    grads = gather_full_state_dict(role.model, vocab_size)
+    for p, v in zip(params, saved):
+        p.data.copy_(v)
+    return grads
+
+
 def masked_mse(values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor):
     """Squared error of per-token values (critic regression), summed over masked-in tokens.
 

@@ -12,6 +12,28 @@ from typing import Literal, Optional
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts MLPs (megatron-core's MoE layer) in every layer; num_experts 0: dense.
+
+    Each token goes to its `topk` experts by the router's scores; the softmax router takes the
+    top-k logits and normalises over them (Qwen3-MoE's norm_topk_prob, Mixtral), the sigmoid
+    router normalises the top-k sigmoids (DeepSeek-V3).
+    """
+
+    num_experts: int = 0
+    topk: int = 2
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    expert_hidden: Optional[int] = None  # each expert's FFN width; None: model.ffn_hidden_size
+    shared_expert_hidden: int = 0  # an always-on shared expert of this width (0: none)
+    aux_loss_coeff: float = 0.0  # Switch-style load-balancing loss, added to the training loss
+    # aux-loss-free balancing (DeepSeek-V3): a per-expert routing bias moved by this rate towards
+    # balance after each optimizer step (0: off)
+    bias_update_rate: float = 0.0
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # how tokens reach the experts' EP ranks
+    grouped_gemm: bool = False  # all local experts in one grouped GEMM (needs Transformer Engine)
+
+
+@dataclass
 class ModelConfig:
     """A Llama/Qwen2/Qwen3/Mistral-style decoder: RMSNorm, SwiGLU, RoPE, GQA."""
 
@@ -37,6 +59,7 @@ class ModelConfig:
     # present, else megatron-core's local modules.
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
     init_from: Optional[str] = None  # a megarl checkpoint or Hugging Face directory
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -45,6 +68,8 @@ class ParallelConfig:
     pp: int = 1  # pipeline parallel
     cp: int = 1  # context parallel
     dp: Optional[int] = None  # None: world_size // (tp * pp * cp); if set it must match
+    ep: int = 1  # expert parallel: the experts split over ep ranks of the data-parallel group
+    etp: Optional[int] = None  # experts' own tensor parallel size; None: tp
     sequence_parallel: bool = False
     distributed_optimizer: bool = False  # shard optimizer state over DP (ZeRO-1; NCCL or gloo)
 

@@ -84,6 +84,35 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig, precision: str = "fp
         perform_initialization=True,
         calculate_per_token_loss=True,  # losses are token sums; grads scaled by total tokens
         deallocate_pipeline_outputs=True,
+        **moe_fields(mc, pc),
+    )
+
+
+def moe_fields(mc: ModelConfig, pc: ParallelConfig) -> dict:
+    """model.moe and parallel.ep/etp as TransformerConfig fields (none for a dense model)."""
+    moe = mc.moe
+    if not moe.num_experts:
+        return {}
+    from megarl.models import moe as moe_map
+
+    moe_map.patch_megatron()
+    balance = moe.bias_update_rate > 0
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_router_score_function=moe.score,
+        moe_router_pre_softmax=False,  # softmax over the top-k logits: the top-k probabilities renormalised
+        moe_router_dtype="fp32",
+        moe_ffn_hidden_size=moe.expert_hidden or mc.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=moe.shared_expert_hidden or None,
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_router_enable_expert_bias=balance,
+        moe_router_bias_update_rate=moe.bias_update_rate if balance else 1e-3,
+        moe_token_dispatcher_type=moe.dispatcher,
+        moe_grouped_gemm=moe.grouped_gemm,
+        expert_model_parallel_size=pc.ep,
+        expert_tensor_parallel_size=pc.etp,
     )
 
 
@@ -95,10 +124,11 @@ def layer_spec(mc: ModelConfig):
 
     from megarl.models.attention import self_attention_class
 
+    moe = dict(num_experts=mc.moe.num_experts or None, moe_grouped_gemm=mc.moe.grouped_gemm)
     if use_transformer_engine(mc):
-        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=mc.qk_norm)
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=mc.qk_norm, **moe)
     else:
-        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.qk_norm)
+        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.qk_norm, **moe)
     spec.submodules.self_attention.module = self_attention_class()
     return spec
 
