@@ -235,12 +235,16 @@ def run_id_for(root: str) -> str:
 
 # ModelConfig fields that fix the saved tensors' shapes (the rest: numerics, init, impl).
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
-              "vocab_size", "qkv_bias", "qk_norm", "tie_embeddings")
+              "vocab_size", "qkv_bias", "qk_norm", "tie_embeddings", "moe.num_experts", "moe.expert_hidden",
+              "moe.shared_expert_hidden")
 
 
 def model_shape(model_cfg) -> dict:
     """The shape-defining fields of a ModelConfig, with null defaults resolved."""
-    shape = {k: getattr(model_cfg, k) for k in SHAPE_KEYS}
+    shape = {k: getattr(model_cfg, k) for k in SHAPE_KEYS if not k.startswith("moe.")}
+    moe = model_cfg.moe
+    shape.update({"moe.num_experts": moe.num_experts, "moe.shared_expert_hidden": moe.shared_expert_hidden,
+                  "moe.expert_hidden": (moe.expert_hidden or model_cfg.ffn_hidden_size) if moe.num_experts else 0})
     shape["num_kv_heads"] = shape["num_kv_heads"] or model_cfg.num_attention_heads
     shape["head_dim"] = shape["head_dim"] or model_cfg.hidden_size // max(model_cfg.num_attention_heads, 1)
     return shape

@@ -1,0 +1,113 @@
+"""Hugging Face interop of mixture-of-experts models (Qwen3-MoE, Mixtral): tiny random models
+built with transformers; megarl's import must reproduce transformers' logits within 1e-4 (fp32,
+eager attention) in one process and at EP2, its export must load in transformers and match, and
+HF -> megarl -> HF -> megarl is bit-exact."""
+import json
+import os
+
+import pytest
+import torch
+
+from dist_helpers import run_distributed
+from test_hf_interop import BATCH, SEQ, _hf_logits, _randomize, _tokens
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-4
+COMMON = dict(hidden_size=48, vocab_size=300, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128, rms_norm_eps=1e-5, num_experts_per_tok=2)
+CASES = {  # name -> (config class, architecture, kwargs)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(COMMON, intermediate_size=80, moe_intermediate_size=40, num_experts=4, head_dim=16,
+                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(COMMON, intermediate_size=40, num_local_experts=4, sliding_window=None, rope_theta=1000000.0)),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """name -> (saved directory, transformers logits)."""
+    out = {}
+    for i, (name, (cls, _, kwargs)) in enumerate(CASES.items()):
+        config = getattr(transformers, cls)(**kwargs)
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+        _randomize(model, seed=i)  # router and experts far from init too
+        out[name] = (str(tmp_path_factory.mktemp("hf") / name), _hf_logits(model))
+        model.save_pretrained(out[name][0])
+    return out
+
+
+def _megarl_body(rank, world_size, dirs):
+    import torch.distributed as dist
+
+    from megarl.checkpoint.hf import load_hf_checkpoint
+    from megarl.config import ParallelConfig
+    from megarl.models.layout import gather_full_state_dict, load_full_state_dict
+    from megarl.roles.role import Role
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    init_distributed(1, 1, seed=3, ep=world_size)
+    out = {}
+    for name, path in dirs.items():
+        mc, lazy = load_hf_checkpoint(path, lazy=True)
+        role = Role(name, mc, ParallelConfig(ep=world_size), head="lm", seed=99)
+        load_full_state_dict(role.model, lazy, mc.vocab_size)
+        logits = []
+        mbs = [{"tokens": _tokens()[i:i + 1], "position_ids": torch.arange(SEQ)[None]} for i in range(BATCH)]
+        role.evaluate(mbs, lambda b, x: (logits.append(x.detach().clone()), (x.sum() * 0, torch.tensor(1), {}))[1])
+        full = gather_full_state_dict(role.model, mc.vocab_size)
+        out[name] = {"mc": mc, "logits": torch.cat(logits)[..., :mc.vocab_size], "gathered": full,
+                     "loaded": dict(lazy) if dist.get_rank() == 0 else None}
+    teardown()
+    return out
+
+
+@pytest.mark.slow
+def test_import_matches_transformers_at_ep1_and_ep2(hf_models, tmp_path):
+    from megarl.checkpoint.hf import load_hf_checkpoint, save_hf_checkpoint
+
+    dirs = {name: path for name, (path, _) in hf_models.items()}
+    one = run_distributed(_megarl_body, 1, dirs)[0]
+    two = run_distributed(_megarl_body, 2, dirs)
+    for name, (path, ref) in hf_models.items():
+        r = one[name]
+        assert r["mc"].moe.num_experts == 4 and r["mc"].moe.topk == 2
+        for where, logits in (("ep1", r["logits"]), *((f"ep2 rank {k}", t[name]["logits"]) for k, t in enumerate(two))):
+            diff = (logits.double() - ref.double()).abs().max().item()
+            assert diff <= TOL, f"{name} {where}: max abs logit diff {diff:.3g} > {TOL}"
+        for k, v in r["loaded"].items():  # sharded over EP2 and gathered back: lossless
+            assert torch.equal(two[0][name]["gathered"][k], v.float()), f"{name}: {k} changed through ep=2"
+        # export: transformers loads it and matches; importing the export gives the same tensors
+        out = str(tmp_path / f"{name}_export")
+        arch = CASES[name][1]
+        save_hf_checkpoint(out, r["mc"], r["gathered"], arch)
+        assert json.load(open(os.path.join(out, "config.json")))["architectures"] == [arch]
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+        diff = (_hf_logits(model).double() - ref.double()).abs().max().item()
+        assert diff <= TOL, f"{name} export: max abs logit diff {diff:.3g} > {TOL}"
+        _, again = load_hf_checkpoint(out)
+        assert again.keys() == r["gathered"].keys()
+        assert all(torch.equal(again[k], v) for k, v in r["gathered"].items())
+
+
+def test_moe_config_rules(tmp_path):
+    """What megarl would route differently is refused in one line."""
+    from megarl.checkpoint.hf import hf_config_to_model_config, model_config_to_hf_config
+
+    base = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 48, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 80, "moe_intermediate_size": 40,
+            "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "vocab_size": 300,
+            "num_hidden_layers": 2, "max_position_embeddings": 128}
+    mc = hf_config_to_model_config(base)
+    assert (mc.moe.num_experts, mc.moe.topk, mc.moe.expert_hidden, mc.qk_norm) == (4, 2, 40, True)
+    assert hf_config_to_model_config(model_config_to_hf_config(mc, "Qwen3MoeForCausalLM")) == mc
+    with pytest.raises(ValueError, match="norm_topk_prob=false is unsupported"):
+        hf_config_to_model_config({**base, "norm_topk_prob": False})
+    with pytest.raises(ValueError, match="every layer must be MoE"):
+        hf_config_to_model_config({**base, "mlp_only_layers": [1]})
+    with pytest.raises(ValueError, match="cannot express model.moe.num_experts=4 \\(a dense architecture\\)"):
+        model_config_to_hf_config(mc, "Qwen3ForCausalLM")
+    mc.moe.shared_expert_hidden = 16
+    with pytest.raises(ValueError, match="shared expert"):
+        model_config_to_hf_config(mc, "Qwen3MoeForCausalLM")
