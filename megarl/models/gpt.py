@@ -6,6 +6,7 @@ the model code: megatron-core's local modules on CPU, Transformer Engine's on GP
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from megarl.config.schema import FP8Config, ModelConfig, ParallelConfig
 from megarl.config.validate import has_module
 from megarl.models import fp8 as fp8_map
 from megarl.models import layout
+from megarl.models import moe as moe_map
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -93,8 +95,6 @@ def moe_fields(mc: ModelConfig, pc: ParallelConfig) -> dict:
     moe = mc.moe
     if not moe.num_experts:
         return {}
-    from megarl.models import moe as moe_map
-
     moe_map.patch_megatron()
     balance = moe.bias_update_rate > 0
     return dict(
@@ -186,6 +186,8 @@ def gpt_model_class():
     Only the plain training/scoring call is changed; labels, MTP, inference contexts and the
     config logger take megatron's own path. Built lazily: importing megarl needs no megatron.
 
+    `model(..., routing=r)` (MoE) forces the experts of r [b, s, layers, k] (models/moe.py's replay).
+
     `model(..., return_hidden=True)` (LM head) returns `HeadStates` instead of logits: the
     final hidden states of those columns and the output weight, for the fused head op. Under
     sequence parallelism the hidden states are gathered as ColumnParallelLinear gathers them.
@@ -200,14 +202,15 @@ def gpt_model_class():
         megarl_head = "lm"  # "lm" or "scalar" (critic, reward model), set by build_model
         megarl_vocab_size = None  # the real vocabulary (the output layer's columns past it are padding)
 
-        def forward(self, *args, output_from: int = 0, return_hidden: bool = False, **kw):
+        def forward(self, *args, output_from: int = 0, return_hidden: bool = False, routing=None, **kw):
             if return_hidden and self.megarl_head != "lm":
                 raise ValueError("return_hidden=True needs the LM head (the scalar head has no vocabulary)")
             self.output_from, self.return_hidden = int(output_from), bool(return_hidden)
             generating = kw.get("inference_context") is not None or kw.get("inference_params") is not None
             try:
                 tokens = args[0].numel() if args and torch.is_tensor(args[0]) else 0  # input ids [b, s]
-                with fp8_map.generation_precision(self.config, self.fp8_rollout, generating, tokens):
+                with fp8_map.generation_precision(self.config, self.fp8_rollout, generating, tokens), \
+                        moe_map.replaying(self, routing) if routing is not None else contextlib.nullcontext():
                     return super().forward(*args, **kw)
             finally:
                 self.output_from, self.return_hidden = 0, False
