@@ -52,6 +52,12 @@ def test_config_rules():
     assert errs(ep=8) == ["world size 4 must be divisible by parallel.etp*ep*pp = 1*8*1 = 8 (the experts' layout)",
                           "model.moe.num_experts (4) must be divisible by parallel.ep (8)"]
     assert "needs parallel.sequence_parallel" in errs(tp=2)[0]
+    rl = Config()
+    rl.rl.routing_replay = "rollout"
+    assert ("rl.routing_replay=rollout needs a MoE model (model.moe.num_experts > 0); set it to none"
+            in check_config(rl, world_size=1, cuda=False, stage="rl"))
+    rl.model.moe, rl.parallel.pp, rl.data.global_batch_size = MoEConfig(num_experts=4), 2, 16
+    assert any(e.startswith("rl with a MoE model needs parallel.pp=1") for e in check_config(rl, 2, cuda=False, stage="rl"))
 
 
 def _router_grads(rank, world_size, aux):

@@ -286,6 +286,10 @@ class RLConfig:
     # the first mini-batch), or the rollout's own (saves that forward; needs top_k 0 and top_p 1,
     # since they are log-probs of the filtered distribution)
     old_logprobs: Literal["recompute", "rollout"] = "recompute"
+    # MoE: "rollout" replays the experts each token went to in generation in the actor's (and the
+    # reference's) scoring and training forwards (R3); "none" measures their agreement instead
+    # ("none", not "off": YAML reads an unquoted off as false)
+    routing_replay: Literal["none", "rollout"] = "none"
     # log-probs in scoring and training straight from the hidden states and the output weight,
     # chunked (megarl.ops.head_logprobs): the [tokens, V] logits never exist; false:
     # through the logits (same results within fp32 rounding)

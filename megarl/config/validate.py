@@ -138,6 +138,11 @@ def _rl_rules(cfg: Config, world_size: int, cuda: bool) -> list[str]:
         errs.append(f"rl.eval_temperature must be >= 0 (0: greedy evaluation), got {r.eval_temperature}")
     if not 0 < r.top_p <= 1 or r.top_k < 0:
         errs.append(f"rl.top_p must be in (0, 1] and rl.top_k >= 0 (got {r.top_p}, {r.top_k})")
+    if r.routing_replay == "rollout" and not cfg.model.moe.num_experts:
+        errs.append("rl.routing_replay=rollout needs a MoE model (model.moe.num_experts > 0); set it to none")
+    if cfg.model.moe.num_experts and cfg.parallel.pp > 1:
+        errs.append("rl with a MoE model needs parallel.pp=1 (the rollout records each token's experts "
+                    "for routing replay and its agreement metric at one pipeline stage only)")
     if r.old_logprobs == "rollout" and (r.top_k or r.top_p < 1):
         errs.append("rl.old_logprobs=rollout needs rl.top_k=0 and rl.top_p=1 (the rollout's log-probs are of the "
                     "filtered distribution); use rl.old_logprobs=recompute")

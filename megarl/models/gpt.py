@@ -167,6 +167,12 @@ class HeadStates:
     vocab_size: int             # real vocabulary: columns >= it are padding
     hidden_grad_reduced: bool   # grad(hidden) is summed over TP by the sequence-parallel gather
 
+    @property
+    def device(self) -> torch.device:
+        """megatron's schedule reads the output's device after a forward-only collect (the MoE
+        aux-loss scale), whatever the output is."""
+        return self.hidden.device
+
 
 @functools.cache
 def gpt_model_class():

@@ -56,7 +56,7 @@ def _replay_class():
 
         def __init__(self):  # no super().__init__: it appends to RouterReplay's global list
             self.target_topk_idx = self.recorded_topk_idx = self.router_replay_action = None
-            self.replay_backward_list, self.recorded = [], []
+            self.replay_backward_list, self.recorded, self.record = [], [], False
 
         def record_indices(self, topk_indices):
             self.recorded.append(topk_indices.detach())
@@ -70,6 +70,8 @@ def _replay_class():
                 raise ValueError(f"routing replay: {tuple(target.shape)} recorded experts for a forward of "
                                  f"{tuple(own.shape)} (tokens, top-k)")
             idx = torch.where(target >= 0, target.long(), own)
+            if self.record:  # the experts this forward used
+                self.recorded.append(idx.detach())
             return scores.gather(1, idx), idx
 
     return Replay
@@ -77,19 +79,20 @@ def _replay_class():
 
 @contextlib.contextmanager
 def recording(model):
-    """Within the block every router records its top-k per forward; yields the routers, whose
-    `router_replay.recorded` lists hold [tokens, k] per forward ([s, b] order)."""
+    """Within the block every router records the experts of each forward (its top-k, or the
+    replayed ones); yields the routers, whose `router_replay.recorded` lists hold [tokens, k]
+    per forward ([s, b] order)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     rs = routers(model)
     for r in rs:
-        r.router_replay.recorded = []
+        r.router_replay.recorded, r.router_replay.record = [], True
         r.router_replay.router_replay_action = RouterReplayAction.RECORD
     try:
         yield rs
     finally:
         for r in rs:
-            r.router_replay.router_replay_action = None
+            r.router_replay.router_replay_action, r.router_replay.record = None, False
 
 
 def recorded(rs, call: int = -1) -> torch.Tensor:
@@ -118,7 +121,8 @@ def replaying(model, routing: torch.Tensor):
         yield
     finally:
         for r in rs:
-            r.router_replay.router_replay_action = r.router_replay.target_topk_idx = None
+            r.router_replay.target_topk_idx = None
+            r.router_replay.router_replay_action = RouterReplayAction.RECORD if r.router_replay.record else None
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
