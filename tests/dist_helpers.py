@@ -96,7 +96,7 @@ def rl_stage_steps(overrides, run_dir, steps=2, prepare=None):
     from megarl.trainers.rl import RLStage
 
     cfg = load_config("configs/tiny_grpo.yaml", [f"train.run_dir={run_dir}", *overrides])
-    init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed)
+    init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, ep=cfg.parallel.ep, etp=cfg.parallel.etp)
     stage = RLStage(cfg, str(run_dir / "rl"))
     if prepare is not None:
         prepare(stage)

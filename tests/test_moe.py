@@ -159,3 +159,25 @@ def test_expert_parallel_matches_single_process():
             assert got[which].keys() == ref[which].keys()
             for name, r in ref[which].items():
                 _close(got[which][name], r, f"{which}[{name}] at {where}")
+
+
+def test_recipes_validate_and_the_memory_estimate_counts_experts():
+    """The shipped MoE recipes pass the config rules at their layouts; the estimator's parameter
+    count of Qwen3-30B-A3B is transformers' (30,532,122,624 on the meta device), its experts
+    split over EP, and the 2 x 8 H100 recipe fits an 80 GB GPU by its own estimate."""
+    from megarl.config import check_config, load_config
+    from megarl.config.fp8 import TARGETS
+    from megarl.models import memory
+
+    tiny = load_config("configs/tiny_moe_grpo.yaml")
+    assert check_config(tiny, world_size=2, cuda=False, stage="rl") == []
+    assert tiny.parallel.ep == 2 and tiny.rl.routing_replay == "rollout"
+    big = load_config("configs/qwen3_30b_a3b_grpo.yaml")
+    assert check_config(big, world_size=16, stage="rl", device=TARGETS["h100"]) == []
+    full = memory.stage_params(big.model, 1, 1)
+    assert full.total == 30_532_122_624
+    split = memory.stage_params(big.model, 1, 1, ep=16)
+    assert split.expert * 16 == full.expert and split.total - split.expert == full.total - full.expert
+    estimate = memory.estimate(big, 16, "rl", ["actor", "reference"])
+    assert estimate.peak <= TARGETS["h100"].memory_bytes < memory.estimate(
+        load_config("configs/qwen3_30b_a3b_grpo.yaml", ["parallel.ep=8"]), 16, "rl", ["actor", "reference"]).peak

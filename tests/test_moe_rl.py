@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from dist_helpers import rl_stage_steps, run_distributed
+from dist_helpers import assert_same_figures, rl_stage_steps, run_distributed
 
 HERE = os.path.dirname(__file__)
 VOCAB, PAD = 100, 0
@@ -82,8 +82,8 @@ def test_training_routes_as_the_rollout_did():
     assert grad > 1e-5  # and the routers still learn through the forced experts' probabilities
 
 
-def _rl_body(rank, world_size, replay, run_dir):
-    return rl_stage_steps([*RL, f"rl.routing_replay={replay}"], run_dir)
+def _rl_body(rank, world_size, replay, run_dir, *extra):
+    return rl_stage_steps([*RL, f"rl.routing_replay={replay}", *extra], run_dir)
 
 
 RL = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
@@ -97,7 +97,8 @@ RL = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
 @pytest.mark.slow
 def test_rl_steps_with_and_without_replay(tmp_path, monkeypatch):
     """Without replay each step reports how many (token, layer) routings the actor's scoring
-    forward shared with the rollout; with replay there is nothing to measure."""
+    forward shared with the rollout; with replay there is nothing to measure. At EP2 x DP2 the
+    replayed steps equal the single process's."""
     monkeypatch.chdir(os.path.dirname(HERE))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
     off = run_distributed(_rl_body, 1, "none", tmp_path / "off")[0]
@@ -106,3 +107,5 @@ def test_rl_steps_with_and_without_replay(tmp_path, monkeypatch):
         assert 0.9 < m["moe/routing_agreement"] <= 1.0
     assert all("moe/routing_agreement" not in m for m in on)
     assert all(torch.isfinite(torch.tensor(m["actor/loss"])) for m in on + off)
+    ep2 = run_distributed(_rl_body, 2, "rollout", tmp_path / "ep2", "parallel.ep=2")[0]
+    assert_same_figures(ep2, on, "ep2", clip_tol=2 / 16)  # rel 1e-5
