@@ -126,10 +126,13 @@ def _generate_body(rank, world_size, path, prompts, stop_ids):
     role = Role("actor", mc, ParallelConfig(ep=world_size), head="lm", seed=99)
     load_full_state_dict(role.model, lazy, mc.vocab_size)
     engine = MegatronRolloutEngine(role, vocab_size=mc.vocab_size, pad_id=0, max_batch_size=2)  # 2 batches vs 1
+    engine.record_routing = True  # as RL runs it
     mine = prompts[rank::world_size]  # each EP rank its own prompts: other lengths, other stopping steps
-    out = engine.generate(mine, SamplingParams(greedy=True, max_new_tokens=10, stop_ids=stop_ids), seed=0)
+    params = SamplingParams(greedy=True, max_new_tokens=10, stop_ids=stop_ids)
+    out = engine.generate(mine, params, seed=0).responses()
+    alone = engine.generate(mine if rank == 0 else [], params, seed=0).responses()  # rank 1: nothing to generate
     teardown()
-    return out.responses()
+    return out, alone
 
 
 @pytest.mark.slow
@@ -154,6 +157,6 @@ def test_greedy_generation_matches_transformers(hf_models):
     stop_ids = (free[1][3], free[3][6])  # two rows stop early, at different steps
     ref = hf_greedy(stop_ids)
     assert len({len(r) for r in ref}) > 1
-    assert run_distributed(_generate_body, 1, path, prompts, stop_ids)[0] == ref
-    by_rank = run_distributed(_generate_body, 2, path, prompts, stop_ids)
-    assert by_rank[0] == ref[0::2] and by_rank[1] == ref[1::2]
+    assert run_distributed(_generate_body, 1, path, prompts, stop_ids)[0] == (ref, ref)
+    (out0, alone0), (out1, alone1) = run_distributed(_generate_body, 2, path, prompts, stop_ids)
+    assert out0 == alone0 == ref[0::2] and out1 == ref[1::2] and alone1 == []

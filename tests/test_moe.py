@@ -181,3 +181,36 @@ def test_recipes_validate_and_the_memory_estimate_counts_experts():
     estimate = memory.estimate(big, 16, "rl", ["actor", "reference"])
     assert estimate.peak <= TARGETS["h100"].memory_bytes < memory.estimate(
         load_config("configs/qwen3_30b_a3b_grpo.yaml", ["parallel.ep=8"]), 16, "rl", ["actor", "reference"]).peak
+
+
+def _bias_body(rank, world_size):
+    from megarl.config import OptimConfig
+    from megarl.models.layout import unwrap
+    from megarl.roles.role import Role
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    init_distributed(1, 1, seed=11)
+    role = Role("policy", _model(score="sigmoid", bias_update_rate=0.01, aux_loss_coeff=0.0), _parallel(),
+                optim=OptimConfig(), seed=5)
+    routers = [layer.mlp.router for layer in unwrap(role.model).decoder.layers]
+    counts = [torch.zeros(4) for _ in routers]
+    def count(i):
+        def hook(module, args, out):  # out: (probs, routing_map [tokens, experts])
+            counts[i].add_(out[1].sum(0).float())
+        return hook
+
+    for i, r in enumerate(routers):
+        r.register_forward_hook(count(i))
+    before = [r.expert_bias.clone() for r in routers]
+    role.train_step(dp_microbatches(_global_batch(0), MBS), _lm_loss)
+    out = [(b, r.expert_bias.clone(), c) for b, r, c in zip(before, routers, counts)]
+    teardown()
+    return out
+
+
+def test_aux_loss_free_bias_moves_towards_balance():
+    """model.moe.bias_update_rate: after an optimizer step megatron-core moves each expert's
+    routing bias by the rate towards balance (down for experts above the mean load)."""
+    for before, after, load in run_distributed(_bias_body, 1)[0]:
+        assert torch.equal(before, torch.zeros(4)) and load.sum() == GBS * SEQ * 2
+        torch.testing.assert_close(after, 0.01 * torch.sign(load.mean() - load))

@@ -31,7 +31,8 @@ def _replay_body(rank, world_size):
     engine.record_routing = True
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (4, 9, 6)]
-    rollout = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=7), seed=1)
+    rollout = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=7,
+                                                      stop_ids=tuple(range(1, 20))), seed=1)
     exp = experience_from_rollout(rollout, PAD)
     rows = list(range(len(exp.lengths)))
 
@@ -49,7 +50,8 @@ def _replay_body(rank, world_size):
         got = moe.recorded(routers).view(width, len(rows), len(routers), -1).transpose(0, 1)
         return [r.weight.main_grad.clone() for r in routers], got, exp.routing[:, :width].long()
 
-    out = {"known": int((exp.routing >= 0).all(-1).sum()), "tokens": int(sum(exp.lengths))}
+    out = {"known": int((exp.routing >= 0).all(-1).sum()), "tokens": int(sum(exp.lengths)),
+           "compactions": rollout.stats["compactions"], "lengths": rollout.response_lens.tolist()}
     natural_grads, natural, rolled = run(False)
     replay_grads, replayed, _ = run(True)
     out["unperturbed"] = (moe.agreement(natural, rolled), moe.agreement(replayed, rolled),
@@ -72,6 +74,7 @@ def _replay_body(rank, world_size):
 @pytest.mark.slow
 def test_training_routes_as_the_rollout_did():
     r = run_distributed(_replay_body, 1)[0]
+    assert r["compactions"] > 0 and len(set(r["lengths"])) > 1  # rows stopped apart and left the cache
     assert r["known"] == (r["tokens"] - 6) * 2  # every token but each row's last (never fed back), 2 layers
     (nat, n1), (rep, n2), grad_diff, grad = r["unperturbed"]
     assert n1 == n2 == r["known"] and nat == rep == n1  # same weights: the training forward routes as the rollout

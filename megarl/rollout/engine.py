@@ -335,9 +335,8 @@ class MegatronRolloutEngine(RolloutEngine):
             "errors": [0] * B, "timeouts": [0] * B, "hit_limit": [False] * B}
         extras["routing"] = [None] * B
         if route is not None:  # a row's tokens; its last one was never fed (its routing unknown)
-            pads = pads.cpu()
-            extras["routing"] = [torch.cat([route[b, pads[b]: P + resp_len[b] - 1], route.new_full((1, *route.shape[2:]), -1)])
-                                 for b in range(B)]
+            extras["routing"] = [torch.cat([route[b, P - lens[b]: P + resp_len[b] - 1],
+                                            route.new_full((1, *route.shape[2:]), -1)]) for b in range(B)]
         return responses, logprobs, stopped.tolist(), extras
 
     @staticmethod
