@@ -49,8 +49,10 @@ class CheckpointError(RuntimeError):
 def _layout() -> dict:
     from megatron.core import parallel_state as ps
 
+    ep = ps.get_expert_model_parallel_world_size()
     return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size(), "cp": ps.get_context_parallel_world_size()}
+            "dp": ps.get_data_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
+            **({"ep": ep} if ep > 1 else {})}
 
 
 def _rng_state() -> dict:
@@ -405,6 +407,11 @@ def load_checkpoint(path: str, roles: dict, *, load_optimizer: bool = True) -> d
     for name, role in roles.items():
         check_model_shape(path, manifest, name, role)
     same_layout = manifest["layout"] == _layout()
+    saved_ep, ep = manifest["layout"].get("ep", 1), _layout().get("ep", 1)
+    if load_optimizer and (saved_ep > 1) != (ep > 1) and any(r.optimizer is not None for r in roles.values()):
+        raise CheckpointError(f"{path}: saved at parallel.ep={saved_ep}, resumed at ep={ep}: megatron-core keeps the "
+                              "experts' optimizer state apart only under expert parallelism, so it resumes between "
+                              "ep > 1 layouts (or ep=1 ones) only; its weights load at any ep (model.init_from)")
     wanted = {n: r for n, r in roles.items()}
     sd = _sharded_state_dict(wanted, {}, _rng_state() if same_layout else None, is_loading=True)
     if not load_optimizer:
