@@ -96,7 +96,7 @@ def rl_stage_steps(overrides, run_dir, steps=2, prepare=None):
     from megarl.trainers.rl import RLStage
 
     cfg = load_config("configs/tiny_grpo.yaml", [f"train.run_dir={run_dir}", *overrides])
-    init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed)
+    init_distributed(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.train.seed, ep=cfg.parallel.ep, etp=cfg.parallel.etp)
     stage = RLStage(cfg, str(run_dir / "rl"))
     if prepare is not None:
         prepare(stage)
@@ -137,6 +137,24 @@ def dp_microbatches(global_batch: dict, micro_batch_size: int) -> list[dict]:
         out.append({k: (v[start:start + micro_batch_size] if isinstance(v, torch.Tensor) else v)
                     for k, v in global_batch.items()})
     return out
+
+
+def full_gradients(role, microbatches, loss_fn, vocab_size):
+    """The canonical gradients of one forward-backward of `role` (rank 0; None elsewhere),
+    gathered through the same path as parameters; the role's weights are left as they were."""
+    from megarl.models.layout import gather_full_state_dict, unwrap
+
+    for c in role.chunks:
+        c.zero_grad_buffer()
+    role.forward_backward(microbatches, loss_fn)
+    params = list(unwrap(role.model).parameters())
+    saved = [p.detach().clone() for p in params]
+    for p in params:
+        p.data.copy_(p.main_grad)
+    grads = gather_full_state_dict(role.model, vocab_size)
+    for p, v in zip(params, saved):
+        p.data.copy_(v)
+    return grads
 
 
 def masked_mse(values: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor):

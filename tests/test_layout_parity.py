@@ -40,7 +40,7 @@ def _global_batch(step):
 
 
 def _body(rank, world_size, tp, pp):
-    from dist_helpers import masked_mse
+    from dist_helpers import full_gradients, masked_mse
     from megarl.algorithms.losses import masked_nll
     from megarl.models.layout import gather_full_state_dict
     from megarl.roles.role import Role
@@ -59,16 +59,7 @@ def _body(rank, world_size, tp, pp):
     def value_loss(batch, values):
         return masked_mse(values.squeeze(-1), batch["value_targets"], batch["loss_mask"])
 
-    from megarl.models.layout import unwrap
-    for c in lm.chunks:
-        c.zero_grad_buffer()
-    lm.forward_backward(dp_microbatches(_global_batch(0), MBS), lm_loss)
-    saved = [p.detach().clone() for p in unwrap(lm.model).parameters()]
-    for p in unwrap(lm.model).parameters():
-        p.data.copy_(p.main_grad)  # gather the gradients through the same path as parameters
-    grads = gather_full_state_dict(lm.model, VOCAB)
-    for p, v in zip(unwrap(lm.model).parameters(), saved):
-        p.data.copy_(v)
+    grads = full_gradients(lm, dp_microbatches(_global_batch(0), MBS), lm_loss, VOCAB)
 
     out = {"lm_loss": [], "value_loss": [], "grad_norm": [], "lm_grads": grads}
     for step in range(2):

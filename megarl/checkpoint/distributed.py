@@ -54,8 +54,10 @@ class CheckpointError(RuntimeError):
 def _layout() -> dict:
     from megatron.core import parallel_state as ps
 
+    ep = ps.get_expert_model_parallel_world_size()
     return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size(), "cp": ps.get_context_parallel_world_size()}
+            "dp": ps.get_data_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
+            **({"ep": ep} if ep > 1 else {})}
 
 
 def _rng_state() -> dict:
@@ -247,13 +249,18 @@ def run_id_for(root: str) -> str:
 
 # ModelConfig fields that fix the saved tensors' shapes (the rest: numerics, init, impl).
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
-              "vocab_size", "qkv_bias", "qk_norm", "tie_embeddings")
+              "vocab_size", "qkv_bias", "qk_norm", "tie_embeddings", "moe.num_experts", "moe.expert_hidden",
+              "moe.shared_expert_hidden")
 
 
 def model_shape(model_cfg) -> dict:
     """The shape-defining fields of a ModelConfig, with null defaults resolved."""
     fields = model_fields(model_cfg)
-    return {k: fields[k] for k in SHAPE_KEYS}
+    shape = {k: fields[k] for k in SHAPE_KEYS if not k.startswith("moe.")}
+    moe = model_cfg.moe
+    shape.update({"moe.num_experts": moe.num_experts, "moe.shared_expert_hidden": moe.shared_expert_hidden,
+                  "moe.expert_hidden": (moe.expert_hidden or model_cfg.ffn_hidden_size) if moe.num_experts else 0})
+    return shape
 
 
 def check_model_shape(path: str, manifest: dict, saved_role: str, role) -> None:
@@ -413,6 +420,11 @@ def load_checkpoint(path: str, roles: dict, *, load_optimizer: bool = True) -> d
     for name, role in roles.items():
         check_model_shape(path, manifest, name, role)
     same_layout = manifest["layout"] == _layout()
+    saved_ep, ep = manifest["layout"].get("ep", 1), _layout().get("ep", 1)
+    if load_optimizer and (saved_ep > 1) != (ep > 1) and any(r.optimizer is not None for r in roles.values()):
+        raise CheckpointError(f"{path}: saved at parallel.ep={saved_ep}, resumed at ep={ep}: megatron-core keeps the "
+                              "experts' optimizer state apart only under expert parallelism, so it resumes between "
+                              "ep > 1 layouts (or ep=1 ones) only; its weights load at any ep (model.init_from)")
     wanted = {n: r for n, r in roles.items()}
     sd = _sharded_state_dict(wanted, {}, _rng_state() if same_layout else None, is_loading=True)
     if not load_optimizer:

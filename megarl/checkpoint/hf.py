@@ -1,4 +1,4 @@
-"""Hugging Face interop: Llama / Qwen2 / Qwen3 / Mistral safetensors checkpoints <-> canonical tensors.
+"""Hugging Face interop: Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / Mixtral safetensors <-> canonical tensors.
 
 The canonical dict (see megarl/models/layout.py) is what a TP=1/PP=1 megarl model holds, so
 this module never touches process groups: a converter process and a role being built
@@ -14,6 +14,10 @@ Name mapping per layer i (HF `model.layers.{i}.` -> canonical `decoder.layers.{i
     post_attention_layernorm.weight     -> pre_mlp_layernorm.weight
     mlp.{gate,up}_proj.weight           -> mlp.linear_fc1.weight  ([gate; up])
     mlp.down_proj.weight                -> mlp.linear_fc2.weight
+MoE layers (Qwen3-MoE `mlp.`, Mixtral `block_sparse_moe.`; EXPERT_NAMES) instead of the MLP:
+    {mlp}.gate.weight                   -> mlp.router.weight
+    {mlp}.experts.{j}.{gate,up}         -> mlp.experts.local_experts.{j}.linear_fc1.weight ([gate; up])
+    {mlp}.experts.{j}.{down}            -> mlp.experts.local_experts.{j}.linear_fc2.weight
 plus model.embed_tokens.weight -> embedding.word_embeddings.weight, model.norm.weight ->
 decoder.final_layernorm.weight and lm_head.weight -> output_layer.weight (absent when tied).
 
@@ -37,7 +41,7 @@ from functools import partial
 import torch
 
 from megarl.config.hf import (
-    ARCHITECTURES, MEGATRON_LLAMA3_ROPE, _names, _read_json, hf_config_to_model_config, hf_model_config,
+    ARCHITECTURES, EXPERT_NAMES, MEGATRON_LLAMA3_ROPE, _names, _read_json, hf_config_to_model_config, hf_model_config,
 )
 from megarl.config.schema import ModelConfig
 
@@ -67,6 +71,13 @@ def model_config_to_hf_config(mc: ModelConfig, arch: str, torch_dtype: str = "fl
         raise ValueError(f"{arch} cannot express head_dim={mc.head_dim} != hidden_size/num_attention_heads")
     if mc.rotary_base != int(mc.rotary_base):
         raise ValueError(f"rotary_base {mc.rotary_base} is not an integer")
+    moe = mc.moe
+    if bool(moe.num_experts) != (arch in EXPERT_NAMES):
+        raise ValueError(f"{arch} cannot express model.moe.num_experts={moe.num_experts}"
+                         + (" (a MoE architecture)" if arch in EXPERT_NAMES else " (a dense architecture)"))
+    if moe.num_experts and (moe.score != "softmax" or moe.shared_expert_hidden):
+        raise ValueError(f"{arch} cannot express model.moe.score={moe.score} or a shared expert "
+                         f"(shared_expert_hidden={moe.shared_expert_hidden}); it routes by softmax without one")
     scaling = None
     if mc.rope_scaling_factor is not None:
         scaling = {"rope_type": "llama3", "factor": float(mc.rope_scaling_factor), **MEGATRON_LLAMA3_ROPE}
@@ -92,11 +103,21 @@ def model_config_to_hf_config(mc: ModelConfig, arch: str, torch_dtype: str = "fl
     }
     if arch != "Qwen2ForCausalLM":
         cfg["head_dim"] = mc.head_dim or mc.hidden_size // mc.num_attention_heads
+    if moe.num_experts:
+        cfg.update(num_experts_per_tok=moe.topk, router_aux_loss_coef=moe.aux_loss_coeff, output_router_logits=False)
+    if arch == "Qwen3MoeForCausalLM":
+        cfg.update(num_experts=moe.num_experts, moe_intermediate_size=moe.expert_hidden or mc.ffn_hidden_size,
+                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    elif arch == "MixtralForCausalLM":
+        if (moe.expert_hidden or mc.ffn_hidden_size) != mc.ffn_hidden_size:
+            raise ValueError(f"{arch} cannot express model.moe.expert_hidden={moe.expert_hidden} != "
+                             f"ffn_hidden_size={mc.ffn_hidden_size} (its experts are intermediate_size wide)")
+        cfg["num_local_experts"] = moe.num_experts
     if arch == "LlamaForCausalLM":
         cfg.update(attention_bias=False, mlp_bias=False)
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=mc.num_layers)
-        if arch == "Qwen3ForCausalLM":
+        if arch != "Qwen2ForCausalLM":
             cfg["attention_bias"] = False
     else:
         cfg["sliding_window"] = None
@@ -118,16 +139,29 @@ class _Dims:
     bias: bool
     qk_norm: bool
     tied: bool
+    experts: int  # 0: a dense MLP
+    expert_ffn: int
+    shared_ffn: int
 
     @classmethod
     def of(cls, mc: ModelConfig) -> "_Dims":
         return cls(mc.num_layers, mc.hidden_size, mc.ffn_hidden_size, mc.num_attention_heads,
                    mc.num_kv_heads or mc.num_attention_heads, mc.head_dim or mc.hidden_size // mc.num_attention_heads,
-                   mc.vocab_size, mc.qkv_bias, mc.qk_norm, mc.tie_embeddings)
+                   mc.vocab_size, mc.qkv_bias, mc.qk_norm, mc.tie_embeddings, mc.moe.num_experts,
+                   mc.moe.expert_hidden or mc.ffn_hidden_size, mc.moe.shared_expert_hidden)
 
 
-def hf_shapes(mc: ModelConfig) -> dict[str, tuple]:
-    """Every tensor an HF checkpoint of this model holds, in file order, with its shape."""
+def _expert_names(arch: str | None, d: _Dims):
+    """(MoE block prefix, (gate, up, down) suffixes) of `arch`; ValueError for a MoE model of a
+    dense architecture."""
+    if arch not in EXPERT_NAMES:
+        raise ValueError(f"{arch} has no mixture-of-experts layers ({d.experts} experts configured)")
+    return EXPERT_NAMES[arch]
+
+
+def hf_shapes(mc: ModelConfig, arch: str | None = None) -> dict[str, tuple]:
+    """Every tensor an HF checkpoint of this model holds, in file order, with its shape
+    (`arch` names a MoE model's expert tensors)."""
     d = _Dims.of(mc)
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
     out = {"model.embed_tokens.weight": (d.vocab, d.hidden)}
@@ -140,10 +174,18 @@ def hf_shapes(mc: ModelConfig) -> dict[str, tuple]:
                         p + "self_attn.v_proj.bias": (kv,)})
         if d.qk_norm:
             out.update({p + "self_attn.q_norm.weight": (d.head_dim,), p + "self_attn.k_norm.weight": (d.head_dim,)})
-        out.update({p + "self_attn.o_proj.weight": (d.hidden, q),
-                    p + "mlp.gate_proj.weight": (d.ffn, d.hidden), p + "mlp.up_proj.weight": (d.ffn, d.hidden),
-                    p + "mlp.down_proj.weight": (d.hidden, d.ffn),
-                    p + "input_layernorm.weight": (d.hidden,), p + "post_attention_layernorm.weight": (d.hidden,)})
+        out[p + "self_attn.o_proj.weight"] = (d.hidden, q)
+        if d.experts:
+            block, (gate, up, down) = _expert_names(arch, d)
+            out[p + f"{block}.gate.weight"] = (d.experts, d.hidden)
+            for j in range(d.experts):
+                e = p + f"{block}.experts.{j}."
+                out.update({e + gate: (d.expert_ffn, d.hidden), e + up: (d.expert_ffn, d.hidden),
+                            e + down: (d.hidden, d.expert_ffn)})
+        else:
+            out.update({p + "mlp.gate_proj.weight": (d.ffn, d.hidden), p + "mlp.up_proj.weight": (d.ffn, d.hidden),
+                        p + "mlp.down_proj.weight": (d.hidden, d.ffn)})
+        out.update({p + "input_layernorm.weight": (d.hidden,), p + "post_attention_layernorm.weight": (d.hidden,)})
     out["model.norm.weight"] = (d.hidden,)
     if not d.tied:
         out["lm_head.weight"] = (d.vocab, d.hidden)
@@ -165,8 +207,17 @@ def canonical_shapes(mc: ModelConfig) -> dict[str, tuple]:
             out[p + "self_attention.q_layernorm.weight"] = (d.head_dim,)
             out[p + "self_attention.k_layernorm.weight"] = (d.head_dim,)
         out.update({p + "self_attention.linear_proj.weight": (d.hidden, d.heads * d.head_dim),
-                    p + "pre_mlp_layernorm.weight": (d.hidden,),
-                    p + "mlp.linear_fc1.weight": (2 * d.ffn, d.hidden), p + "mlp.linear_fc2.weight": (d.hidden, d.ffn)})
+                    p + "pre_mlp_layernorm.weight": (d.hidden,)})
+        if not d.experts:
+            out.update({p + "mlp.linear_fc1.weight": (2 * d.ffn, d.hidden), p + "mlp.linear_fc2.weight": (d.hidden, d.ffn)})
+            continue
+        out[p + "mlp.router.weight"] = (d.experts, d.hidden)
+        for j in range(d.experts):
+            e = p + f"mlp.experts.local_experts.{j}."
+            out.update({e + "linear_fc1.weight": (2 * d.expert_ffn, d.hidden), e + "linear_fc2.weight": (d.hidden, d.expert_ffn)})
+        if d.shared_ffn:
+            out.update({p + "mlp.shared_experts.linear_fc1.weight": (2 * d.shared_ffn, d.hidden),
+                        p + "mlp.shared_experts.linear_fc2.weight": (d.hidden, d.shared_ffn)})
     out["decoder.final_layernorm.weight"] = (d.hidden,)
     if not d.tied:
         out["output_layer.weight"] = (d.vocab, d.hidden)
@@ -177,7 +228,6 @@ _RENAMES = {  # one-to-one: HF layer suffix -> canonical layer suffix
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
-    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
 }
 _QK_NORM_RENAMES = {  # one-to-one, with qk_norm
     "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
@@ -208,30 +258,41 @@ def _split_qkv(qkv, d: _Dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
 
 
-def hf_to_canonical(mc: ModelConfig, hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF-named tensors (exactly `hf_shapes(mc)`) -> canonical tensors; dtypes are kept."""
-    return {name: make() for name, make in _canonical_recipes(mc, hf).items()}
+def hf_to_canonical(mc: ModelConfig, hf: Mapping[str, torch.Tensor], arch: str | None = None) -> dict[str, torch.Tensor]:
+    """HF-named tensors (exactly `hf_shapes(mc, arch)`) -> canonical tensors; dtypes are kept."""
+    return {name: make() for name, make in _canonical_recipes(mc, hf, arch).items()}
 
 
-def _canonical_recipes(mc: ModelConfig, hf: Mapping[str, torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
+def _canonical_recipes(mc: ModelConfig, hf: Mapping[str, torch.Tensor],
+                       arch: str | None = None) -> dict[str, Callable[[], torch.Tensor]]:
     """Canonical name -> a function building that tensor from the HF tensors it needs."""
     d = _Dims.of(mc)
+    gate_up = lambda a, b: torch.cat([hf[a], hf[b]], 0)  # noqa: E731
     out = {c: partial(hf.__getitem__, n) for n, c in _GLOBAL_RENAMES.items()
            if n in hf and not (d.tied and n == "lm_head.weight")}
     for i in range(d.layers):
         p, c = f"model.layers.{i}.", f"decoder.layers.{i}."
         for src, dst in {**_RENAMES, **(_QK_NORM_RENAMES if d.qk_norm else {})}.items():
             out[c + dst] = partial(hf.__getitem__, p + src)
+        if not d.experts:
+            out[c + "mlp.linear_fc2.weight"] = partial(hf.__getitem__, p + "mlp.down_proj.weight")
         for kind in ("weight", "bias") if d.bias else ("weight",):
             out[c + f"self_attention.linear_qkv.{kind}"] = partial(
                 lambda p, kind: _fuse_qkv(*(hf[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"), d), p, kind)
-        out[c + "mlp.linear_fc1.weight"] = partial(
-            lambda p: torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], 0), p)
+        if not d.experts:
+            out[c + "mlp.linear_fc1.weight"] = partial(gate_up, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            continue
+        block, (gate, up, down) = _expert_names(arch, d)
+        out[c + "mlp.router.weight"] = partial(hf.__getitem__, p + f"{block}.gate.weight")
+        for j in range(d.experts):
+            e, ce = p + f"{block}.experts.{j}.", c + f"mlp.experts.local_experts.{j}."
+            out[ce + "linear_fc1.weight"] = partial(gate_up, e + gate, e + up)
+            out[ce + "linear_fc2.weight"] = partial(hf.__getitem__, e + down)
     return out
 
 
-def canonical_to_hf(mc: ModelConfig, canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Canonical tensors (exactly `canonical_shapes(mc)`) -> HF-named tensors in file order.
+def canonical_to_hf(mc: ModelConfig, canonical: dict[str, torch.Tensor], arch: str | None = None) -> dict[str, torch.Tensor]:
+    """Canonical tensors (exactly `canonical_shapes(mc)`) -> HF-named tensors of `arch` in file order.
 
     Renamed tensors are the caller's objects; gate/up are views of linear_fc1 (same storage).
     """
@@ -245,9 +306,18 @@ def canonical_to_hf(mc: ModelConfig, canonical: dict[str, torch.Tensor]) -> dict
             q, k, v = _split_qkv(canonical[c + f"self_attention.linear_qkv.{kind}"], d)
             out.update({p + f"self_attn.q_proj.{kind}": q, p + f"self_attn.k_proj.{kind}": k,
                         p + f"self_attn.v_proj.{kind}": v})
-        gate, up = canonical[c + "mlp.linear_fc1.weight"].chunk(2, 0)
-        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
-    return {n: out[n] for n in hf_shapes(mc)}
+        if not d.experts:
+            gate, up = canonical[c + "mlp.linear_fc1.weight"].chunk(2, 0)
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+            out[p + "mlp.down_proj.weight"] = canonical[c + "mlp.linear_fc2.weight"]
+            continue
+        block, (gate, up, down) = _expert_names(arch, d)
+        out[p + f"{block}.gate.weight"] = canonical[c + "mlp.router.weight"]
+        for j in range(d.experts):
+            e, ce = p + f"{block}.experts.{j}.", c + f"mlp.experts.local_experts.{j}."
+            out[e + gate], out[e + up] = canonical[ce + "linear_fc1.weight"].chunk(2, 0)
+            out[e + down] = canonical[ce + "linear_fc2.weight"]
+    return {n: out[n] for n in hf_shapes(mc, arch)}
 
 
 def _check_shapes(got: dict[str, tuple], want: dict[str, tuple], what: str) -> list[str]:
@@ -316,7 +386,7 @@ def check_hf_model(hf_dir: str, model_cfg: ModelConfig) -> None:
 
 
 def load_hf_checkpoint(hf_dir: str, *, lazy: bool = False) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
-    """Read a Llama/Qwen2/Qwen3/Mistral safetensors checkpoint as (ModelConfig, canonical tensors).
+    """Read a safetensors checkpoint of one of ARCHITECTURES as (ModelConfig, canonical tensors).
 
     Everything is validated before tensor data is read, and all problems are reported in one
     ValueError, so a bad checkpoint never half-loads. Tensors keep the file's dtype (the model
@@ -328,10 +398,12 @@ def load_hf_checkpoint(hf_dir: str, *, lazy: bool = False) -> tuple[ModelConfig,
     from safetensors import safe_open
 
     hf_dir = os.fspath(hf_dir)
+    config_path = os.path.join(hf_dir, "config.json")
     mc = hf_model_config(hf_dir)
+    arch = _read_json(config_path)["architectures"][0]
     found = {n: v for n, v in _checkpoint_tensors(hf_dir).items() if not _DERIVED.fullmatch(n)}
     shapes = {n: shape for n, (_, shape) in found.items()}
-    want = hf_shapes(mc)
+    want = hf_shapes(mc, arch)
     redundant_head = mc.tie_embeddings and "lm_head.weight" in shapes  # some tied checkpoints keep a copy
     if redundant_head:
         want = {**want, "lm_head.weight": want["model.embed_tokens.weight"]}
@@ -348,8 +420,8 @@ def load_hf_checkpoint(hf_dir: str, *, lazy: bool = False) -> tuple[ModelConfig,
             raise ValueError(f"{hf_dir}: lm_head.weight differs from model.embed_tokens.weight "
                              "but config.json sets tie_word_embeddings=true")
         if lazy:
-            return mc, LazyCanonical(_canonical_recipes(mc, hf), canonical_shapes(mc))
-        return mc, hf_to_canonical(mc, hf)
+            return mc, LazyCanonical(_canonical_recipes(mc, hf, arch), canonical_shapes(mc))
+        return mc, hf_to_canonical(mc, hf, arch)
 
 
 class _LazyTensors(Mapping):
@@ -487,7 +559,7 @@ def save_hf_checkpoint(out_dir: str, model_cfg: ModelConfig, canonical: dict[str
         raise FileExistsError(f"{out_dir}: exists and is not empty (refusing to replace it; overwrite=True, or --overwrite on the command line, does)")
 
     hf, storages = {}, set()
-    for n, t in canonical_to_hf(model_cfg, canonical).items():
+    for n, t in canonical_to_hf(model_cfg, canonical, arch).items():
         t = (t if dtype is None else t.to(dtype)).detach().cpu().contiguous()
         if t.untyped_storage().data_ptr() in storages:  # safetensors refuses shared memory
             t = t.clone()

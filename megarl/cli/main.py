@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p, required=False)
     p = sub.add_parser("convert", help="Hugging Face <-> megarl weights")
     conv = p.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
-    c = conv.add_parser("hf-to-megarl", help="an HF Llama/Qwen2/Qwen3/Mistral directory -> a megarl checkpoint")
+    c = conv.add_parser("hf-to-megarl", help="an HF Llama/Qwen2/Qwen3/Mistral/Qwen3-MoE/Mixtral directory -> a megarl checkpoint")
     c.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     c.add_argument("--out", required=True, help="megarl checkpoint root to write")
     c.add_argument("--role", default="sft", help="role name inside the checkpoint (default: sft)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from megarl.config.schema import ModelConfig
+from megarl.config.schema import ModelConfig, MoEConfig
 
 # architecture -> (model_type, attention projections carry a bias, per-head q/k RMSNorm)
 ARCHITECTURES = {
@@ -19,6 +19,14 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
     "MistralForCausalLM": ("mistral", False, False),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
+    "MixtralForCausalLM": ("mixtral", False, False),
+}
+# MoE architectures' layer names: (MoE block, expert gate / up / down projections); their routers
+# are megatron-core's softmax over the top-k logits (Qwen3-MoE's norm_topk_prob, Mixtral's)
+EXPERT_NAMES = {
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj.weight", "up_proj.weight", "down_proj.weight")),
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1.weight", "w3.weight", "w2.weight")),
 }
 # megatron-core's RotaryEmbedding._apply_scaling hard-codes these (Llama-3.1 values); only the
 # factor is configurable (ModelConfig.rope_scaling_factor).
@@ -28,6 +36,9 @@ MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origin
 HF_MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
                    "vocab_size", "max_position_embeddings", "rotary_base", "rope_scaling_factor", "qkv_bias",
                    "qk_norm", "tie_embeddings", "norm_eps")
+# model.moe's fields a config.json gives (the rest, e.g. aux_loss_coeff, are training choices)
+MOE_HF_FIELDS = ("num_experts", "topk", "score", "expert_hidden")
+COMPARED_FIELDS = HF_MODEL_FIELDS + tuple(f"moe.{k}" for k in MOE_HF_FIELDS)
 
 
 def _names(items, limit: int = 8) -> str:
@@ -56,14 +67,20 @@ def hf_model_config(hf_dir: str) -> ModelConfig:
 
 
 def model_fields(mc: ModelConfig) -> dict:
-    """HF_MODEL_FIELDS of `mc`, null defaults resolved (num_kv_heads, head_dim), for comparison."""
+    """COMPARED_FIELDS of `mc`, null defaults resolved (num_kv_heads, head_dim, the experts'
+    width), a dense model's moe.* all None, for comparison."""
     out = {k: getattr(mc, k) for k in HF_MODEL_FIELDS}
     out["num_kv_heads"] = out["num_kv_heads"] or mc.num_attention_heads
     out["head_dim"] = out["head_dim"] or mc.hidden_size // max(mc.num_attention_heads, 1)
+    moe = mc.moe
+    for k in MOE_HF_FIELDS:
+        out[f"moe.{k}"] = getattr(moe, k) if moe.num_experts else None
+    if moe.num_experts:
+        out["moe.expert_hidden"] = moe.expert_hidden or mc.ffn_hidden_size
     return out
 
 
-def field_diff(have: ModelConfig, want: ModelConfig, keys=HF_MODEL_FIELDS) -> list[str]:
+def field_diff(have: ModelConfig, want: ModelConfig, keys=COMPARED_FIELDS) -> list[str]:
     """'key=<have's> (config: <want's>)' for each of `keys` where the two differ."""
     h, w = model_fields(have), model_fields(want)
     return [f"{k}={h[k]} (config: {w[k]})" for k in keys if h[k] != w[k]]
@@ -115,6 +132,7 @@ def _model_config(c: dict) -> ModelConfig:
         raise ValueError("config.json: quantization_config is unsupported (quantized checkpoints)")
     _check_full_attention(c, arch, int(need("num_hidden_layers")), max_pos)
     theta, factor = _rope(c)
+    moe = _moe_config(c, arch, need) if arch in EXPERT_NAMES else MoEConfig()
     return ModelConfig(
         num_layers=int(c["num_hidden_layers"]),
         hidden_size=hidden,
@@ -132,14 +150,32 @@ def _model_config(c: dict) -> ModelConfig:
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         init_std=float(c.get("initializer_range", 0.02)),
         attention_dropout=float(c.get("attention_dropout", 0.0) or 0.0),
+        moe=moe,
     )
+
+
+def _moe_config(c: dict, arch: str, need) -> MoEConfig:
+    """An MoE architecture's experts; every layer must be sparse and route as megatron-core does."""
+    experts = c.get("num_experts", c.get("num_local_experts"))
+    if not experts:
+        raise ValueError(f"config.json: missing required key 'num_experts' for {arch}")
+    if arch == "Qwen3MoeForCausalLM":
+        if int(c.get("decoder_sparse_step", 1)) != 1 or c.get("mlp_only_layers"):
+            raise ValueError("config.json: decoder_sparse_step != 1 or mlp_only_layers (dense layers among MoE "
+                             "layers) is unsupported; every layer must be MoE")
+        if not c.get("norm_topk_prob", False):
+            raise ValueError("config.json: norm_topk_prob=false is unsupported (megarl's softmax router "
+                             "renormalises the top-k probabilities)")
+    hidden = int(need("moe_intermediate_size")) if arch == "Qwen3MoeForCausalLM" else int(need("intermediate_size"))
+    return MoEConfig(num_experts=int(experts), topk=int(need("num_experts_per_tok")), score="softmax",
+                     expert_hidden=hidden)
 
 
 def _check_full_attention(c: dict, arch: str, num_layers: int, max_pos: int) -> None:
     """megarl attends causally over the whole sequence: a window must never bind."""
     window = c.get("sliding_window")
     binds = window is not None and int(window) < max_pos
-    if arch == "MistralForCausalLM" and binds:
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM") and binds:
         raise ValueError(f"config.json: sliding_window {window} < max_position_embeddings {max_pos} is unsupported "
                          "(set sliding_window to null or >= max_position_embeddings)")
     if arch == "Qwen2ForCausalLM":

@@ -16,7 +16,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from megarl.config.hf import HF_MODEL_FIELDS, field_diff, hf_model_config
+from megarl.config.hf import HF_MODEL_FIELDS, MOE_HF_FIELDS, field_diff, hf_model_config
 from megarl.config.schema import Config
 from megarl.config.shipped import resolve_config_path, shipped_configs
 from megarl.utils.atomic import write_atomic
@@ -281,12 +281,16 @@ def resolve_from_hf(cfg: Config, data: dict, where: str) -> Config:
             hf = hf_model_config(mc.from_hf)
         except ValueError as e:
             raise ConfigError(f"{where}: {key}.from_hf: {e}") from None
-        diff = field_diff(hf, mc, [k for k in HF_MODEL_FIELDS if isinstance(raw, dict) and k in raw])
+        raw = raw if isinstance(raw, dict) else {}
+        raw_moe = raw.get("moe") if isinstance(raw.get("moe"), dict) else {}
+        diff = field_diff(hf, mc, [k for k in HF_MODEL_FIELDS if k in raw]
+                          + [f"moe.{k}" for k in MOE_HF_FIELDS if k in raw_moe])
         if diff:
             raise ConfigError(f"{where}: {key}.from_hf: {os.path.join(mc.from_hf, 'config.json')} has {key}."
                               + f", {key}.".join(diff) + f"; remove the key or make it agree (another model: "
                               f"{key}.from_hf: null)")
-        owner.model = dataclasses.replace(mc, **{k: getattr(hf, k) for k in HF_MODEL_FIELDS})
+        owner.model = dataclasses.replace(mc, **{k: getattr(hf, k) for k in HF_MODEL_FIELDS},
+                                          moe=dataclasses.replace(mc.moe, **{k: getattr(hf.moe, k) for k in MOE_HF_FIELDS}))
     return cfg
 
 

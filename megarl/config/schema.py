@@ -27,6 +27,28 @@ class LoRAConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts MLPs (megatron-core's MoE layer) in every layer; num_experts 0: dense.
+
+    Each token goes to its `topk` experts by the router's scores; the softmax router takes the
+    top-k logits and normalises over them (Qwen3-MoE's norm_topk_prob, Mixtral), the sigmoid
+    router normalises the top-k sigmoids (DeepSeek-V3).
+    """
+
+    num_experts: int = 0
+    topk: int = 2
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    expert_hidden: Optional[int] = None  # each expert's FFN width; None: model.ffn_hidden_size
+    shared_expert_hidden: int = 0  # an always-on shared expert of this width (0: none)
+    aux_loss_coeff: float = 0.0  # Switch-style load-balancing loss, added to the training loss
+    # aux-loss-free balancing (DeepSeek-V3): a per-expert routing bias moved by this rate towards
+    # balance after each optimizer step (0: off)
+    bias_update_rate: float = 0.0
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # how tokens reach the experts' EP ranks
+    grouped_gemm: bool = False  # all local experts in one grouped GEMM (needs Transformer Engine)
+
+
+@dataclass
 class ModelConfig:
     """A Llama/Qwen2/Qwen3/Mistral-style decoder: RMSNorm, SwiGLU, RoPE, GQA."""
 
@@ -56,6 +78,7 @@ class ModelConfig:
     # RoPE, norm eps, ...: config/hf.py); fields written beside it must agree (loader.py)
     from_hf: Optional[str] = None
     lora: Optional[LoRAConfig] = None  # set: train low-rank adapters only (the base is frozen)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -64,6 +87,8 @@ class ParallelConfig:
     pp: int = 1  # pipeline parallel
     cp: int = 1  # context parallel
     dp: Optional[int] = None  # None: world_size // (tp * pp * cp); if set it must match
+    ep: int = 1  # expert parallel: the experts split over ep ranks of the data-parallel group
+    etp: Optional[int] = None  # experts' own tensor parallel size; None: tp
     sequence_parallel: bool = False
     distributed_optimizer: bool = False  # shard optimizer state over DP (ZeRO-1; NCCL or gloo)
 
@@ -303,6 +328,10 @@ class RLConfig:
     rollout_correction_c: float = 2.0
     rollout_correction_lo: float = 0.99
     rollout_correction_hi: float = 1.01
+    # MoE: "rollout" replays the experts each token went to in generation in the actor's (and the
+    # reference's) scoring and training forwards (R3); "none" measures their agreement instead
+    # ("none", not "off": YAML reads an unquoted off as false)
+    routing_replay: Literal["none", "rollout"] = "none"
     # log-probs in scoring and training straight from the hidden states and the output weight,
     # chunked (megarl.ops.head_logprobs): the [tokens, V] logits never exist; false:
     # through the logits (same results within fp32 rounding)

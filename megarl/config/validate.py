@@ -69,10 +69,13 @@ def _model_rules(m: ModelConfig, cfg: Config, where: str, cuda: bool) -> list[st
         errs.append(f"{where}.attention_dropout and hidden_dropout must be in [0, 1)")
     if m.lora is not None:
         errs += _lora_rules(m, where)
+        if m.moe.num_experts:
+            errs.append(f"{where}.lora with {where}.moe: adapters wrap the dense layers' linears, not the experts'; "
+                        "LoRA on a mixture-of-experts model is not supported yet")
         if p.sequence_parallel:
             errs.append(f"{where}.lora with parallel.sequence_parallel: the adapters run on megatron-core's local "
                         "layers, whose torch RMSNorm rejects sequence parallelism")
-    return errs
+    return errs + _moe_rules(m, cfg, where, cuda)
 
 
 def _lora_rules(m, where: str) -> list[str]:
@@ -87,6 +90,38 @@ def _lora_rules(m, where: str) -> list[str]:
     if m.transformer_impl == "transformer_engine":
         errs.append(f"{where}.lora: adapters wrap megatron-core's local linears (TE fuses the norm the adapter "
                     f"reads into its GEMM); set {where}.transformer_impl to auto or local")
+    return errs
+
+
+def _moe_rules(m: ModelConfig, cfg: Config, where: str, cuda: bool) -> list[str]:
+    """model.moe against itself and parallel.ep/etp (a dense model: ep must be 1)."""
+    moe, p, errs = m.moe, cfg.parallel, []
+    if moe.num_experts < 0:
+        return [f"{where}.moe.num_experts must be >= 0 (0: a dense MLP), got {moe.num_experts}"]
+    if not moe.num_experts:
+        return [f"parallel.ep={p.ep} needs a MoE model: set {where}.moe.num_experts"] if p.ep > 1 else []
+    if not 1 <= moe.topk <= moe.num_experts:
+        errs.append(f"{where}.moe.topk must be in [1, num_experts={moe.num_experts}], got {moe.topk}")
+    if moe.num_experts % p.ep:
+        errs.append(f"{where}.moe.num_experts ({moe.num_experts}) must be divisible by parallel.ep ({p.ep})")
+    etp = p.etp or p.tp
+    hidden = moe.expert_hidden or m.ffn_hidden_size
+    if hidden < 1 or hidden % etp:
+        errs.append(f"{where}.moe.expert_hidden ({hidden}) must be >= 1 and divisible by the experts' "
+                    f"tensor parallel size ({etp})")
+    if moe.shared_expert_hidden < 0 or moe.shared_expert_hidden % p.tp:
+        errs.append(f"{where}.moe.shared_expert_hidden ({moe.shared_expert_hidden}) must be >= 0 and divisible "
+                    f"by parallel.tp ({p.tp})")
+    if moe.aux_loss_coeff < 0 or moe.bias_update_rate < 0:
+        errs.append(f"{where}.moe.aux_loss_coeff and bias_update_rate must be >= 0")
+    if moe.bias_update_rate > 0 and moe.score != "sigmoid":
+        errs.append(f"{where}.moe.bias_update_rate (aux-loss-free balancing) needs {where}.moe.score=sigmoid "
+                    "(megatron-core's expert bias)")
+    if p.tp > 1 and not p.sequence_parallel:
+        errs.append(f"{where}.moe with parallel.tp > 1 needs parallel.sequence_parallel (megatron-core's MoE layer "
+                    "refuses to train without it)")
+    if moe.grouped_gemm and not (cuda and has_module("transformer_engine")):
+        errs.append(f"{where}.moe.grouped_gemm needs Transformer Engine on a GPU: {TE_HINT}")
     return errs
 
 
@@ -126,6 +161,11 @@ def _rl_rules(cfg: Config, world_size: int, cuda: bool) -> list[str]:
         errs.append(f"rl.eval_temperature must be >= 0 (0: greedy evaluation), got {r.eval_temperature}")
     if not 0 < r.top_p <= 1 or r.top_k < 0:
         errs.append(f"rl.top_p must be in (0, 1] and rl.top_k >= 0 (got {r.top_p}, {r.top_k})")
+    if r.routing_replay == "rollout" and not cfg.model.moe.num_experts:
+        errs.append("rl.routing_replay=rollout needs a MoE model (model.moe.num_experts > 0); set it to none")
+    if cfg.model.moe.num_experts and cfg.parallel.pp > 1:
+        errs.append("rl with a MoE model needs parallel.pp=1 (the rollout records each token's experts "
+                    "for routing replay and its agreement metric at one pipeline stage only)")
     if r.old_logprobs == "rollout" and (r.top_k or r.top_p < 1):
         errs.append("rl.old_logprobs=rollout needs rl.top_k=0 and rl.top_p=1 (the rollout's log-probs are of the "
                     "filtered distribution); use rl.old_logprobs=recompute")
@@ -245,7 +285,7 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: 
     p, d, t, errs = cfg.parallel, cfg.data, cfg.train, []
     if world_size < 1:
         return [f"world size must be >= 1, got {world_size}"]
-    for name in ("tp", "pp", "cp"):
+    for name in ("tp", "pp", "cp", "ep"):
         if getattr(p, name) < 1:
             errs.append(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
     for sec, name in (("data", "seq_length"), ("data", "micro_batch_size"), ("data", "global_batch_size"),
@@ -259,6 +299,12 @@ def check_config(cfg: Config, world_size: int, cuda: bool | None = None, stage: 
     if world_size % model_parallel:
         errs.append(f"world size {world_size} must be divisible by parallel.tp*pp*cp = {p.tp}*{p.pp}*{p.cp} = {model_parallel}")
     dp = data_parallel_size(cfg, world_size)
+    etp = p.etp if p.etp is not None else p.tp
+    if etp < 1:
+        errs.append(f"parallel.etp must be >= 1 (or null for parallel.tp), got {p.etp}")
+    elif world_size % (etp * p.ep * p.pp):
+        errs.append(f"world size {world_size} must be divisible by parallel.etp*ep*pp = {etp}*{p.ep}*{p.pp} "
+                    f"= {etp * p.ep * p.pp} (the experts' layout)")
     if p.dp is not None and p.dp * model_parallel != world_size:
         errs.append(f"parallel.dp ({p.dp}) * tp*pp*cp ({model_parallel}) must equal the world size ({world_size})")
     if d.global_batch_size % (d.micro_batch_size * dp):

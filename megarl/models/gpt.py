@@ -6,6 +6,7 @@ the model code: megatron-core's local modules on CPU, Transformer Engine's on GP
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from megarl.config.schema import FP8Config, ModelConfig, ParallelConfig
 from megarl.config.validate import has_module
 from megarl.models import fp8 as fp8_map
 from megarl.models import layout
+from megarl.models import moe as moe_map
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -84,6 +86,33 @@ def transformer_config(mc: ModelConfig, pc: ParallelConfig, precision: str = "fp
         perform_initialization=True,
         calculate_per_token_loss=True,  # losses are token sums; grads scaled by total tokens
         deallocate_pipeline_outputs=True,
+        **moe_fields(mc, pc),
+    )
+
+
+def moe_fields(mc: ModelConfig, pc: ParallelConfig) -> dict:
+    """model.moe and parallel.ep/etp as TransformerConfig fields (none for a dense model)."""
+    moe = mc.moe
+    if not moe.num_experts:
+        return {}
+    moe_map.patch_megatron()
+    balance = moe.bias_update_rate > 0
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_router_score_function=moe.score,
+        moe_router_pre_softmax=False,  # softmax over the top-k logits: the top-k probabilities renormalised
+        moe_router_dtype="fp32",
+        moe_ffn_hidden_size=moe.expert_hidden or mc.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=moe.shared_expert_hidden or None,
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_router_enable_expert_bias=balance,
+        moe_router_bias_update_rate=moe.bias_update_rate if balance else 1e-3,
+        moe_token_dispatcher_type=moe.dispatcher,
+        moe_grouped_gemm=moe.grouped_gemm,
+        expert_model_parallel_size=pc.ep,
+        expert_tensor_parallel_size=pc.etp,
     )
 
 
@@ -95,10 +124,11 @@ def layer_spec(mc: ModelConfig):
 
     from megarl.models.attention import self_attention_class
 
+    moe = dict(num_experts=mc.moe.num_experts or None, moe_grouped_gemm=mc.moe.grouped_gemm)
     if use_transformer_engine(mc):
-        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=mc.qk_norm)
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=mc.qk_norm, **moe)
     else:
-        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.qk_norm)
+        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=mc.qk_norm, **moe)
     spec.submodules.self_attention.module = self_attention_class()
     if mc.lora is not None:
         from megarl.models.lora import apply_to_spec
@@ -141,6 +171,12 @@ class HeadStates:
     vocab_size: int             # real vocabulary: columns >= it are padding
     hidden_grad_reduced: bool   # grad(hidden) is summed over TP by the sequence-parallel gather
 
+    @property
+    def device(self) -> torch.device:
+        """megatron's schedule reads the output's device after a forward-only collect (the MoE
+        aux-loss scale), whatever the output is."""
+        return self.hidden.device
+
 
 @functools.cache
 def gpt_model_class():
@@ -160,6 +196,8 @@ def gpt_model_class():
     Only the plain training/scoring call is changed; labels, MTP, inference contexts and the
     config logger take megatron's own path. Built lazily: importing megarl needs no megatron.
 
+    `model(..., routing=r)` (MoE) forces the experts of r [b, s, layers, k] (models/moe.py's replay).
+
     `model(..., return_hidden=True)` (LM head) returns `HeadStates` instead of logits: the
     final hidden states of those columns and the output weight, for the fused head op. Under
     sequence parallelism the hidden states are gathered as ColumnParallelLinear gathers them.
@@ -174,14 +212,15 @@ def gpt_model_class():
         megarl_head = "lm"  # "lm" or "scalar" (critic, reward model), set by build_model
         megarl_vocab_size = None  # the real vocabulary (the output layer's columns past it are padding)
 
-        def forward(self, *args, output_from: int = 0, return_hidden: bool = False, **kw):
+        def forward(self, *args, output_from: int = 0, return_hidden: bool = False, routing=None, **kw):
             if return_hidden and self.megarl_head != "lm":
                 raise ValueError("return_hidden=True needs the LM head (the scalar head has no vocabulary)")
             self.output_from, self.return_hidden = int(output_from), bool(return_hidden)
             generating = kw.get("inference_context") is not None or kw.get("inference_params") is not None
             try:
                 tokens = args[0].numel() if args and torch.is_tensor(args[0]) else 0  # input ids [b, s]
-                with fp8_map.generation_precision(self.config, self.fp8_rollout, generating, tokens):
+                with fp8_map.generation_precision(self.config, self.fp8_rollout, generating, tokens), \
+                        moe_map.replaying(self, routing) if routing is not None else contextlib.nullcontext():
                     return super().forward(*args, **kw)
             finally:
                 self.output_from, self.return_hidden = 0, False

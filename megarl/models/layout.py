@@ -9,10 +9,13 @@ TP sharding follows megatron-core's attributes (`tensor_model_parallel`, `partit
 with two layouts that are not a plain chunk:
   * vocabulary rows: padded to a TP multiple; the canonical tensor keeps the real rows only;
   * SwiGLU fc1: each rank holds [gate_r; up_r], so the full [gate; up] is chunked per half.
+MoE experts: a rank holds its expert-parallel share of the experts (`local_experts.i` is global
+expert `mlp.local_expert_indices[i]`), split over the expert-TP group rather than the TP group.
 """
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from collections.abc import Mapping
 
@@ -34,15 +37,23 @@ def unwrap(model):
     return model
 
 
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.")
+
+
 def canonical_name(model, local_name: str) -> str:
-    """'decoder.layers.0.x' on pipeline stage 1 of 2 (4 layers) -> 'decoder.layers.2.x'."""
+    """'decoder.layers.0.x' on pipeline stage 1 of 2 (4 layers) -> 'decoder.layers.2.x';
+    '...mlp.experts.local_experts.1.y' on expert-parallel rank 1 of 2 (4 experts) -> '...local_experts.3.y'."""
     name = local_name
     for te, local in _TE_RENAMES.items():
         name = name.replace(te, local)
     if name.startswith("decoder.layers."):
         idx, rest = name[len("decoder.layers."):].split(".", 1)
-        global_idx = model.decoder.layers[int(idx)].layer_number - 1
-        return f"decoder.layers.{global_idx}.{rest}"
+        layer = model.decoder.layers[int(idx)]
+        expert = _LOCAL_EXPERT.match(rest)
+        if expert:
+            rest = (f"mlp.experts.local_experts.{layer.mlp.local_expert_indices[int(expert.group(1))]}."
+                    + rest[expert.end():])
+        return f"decoder.layers.{layer.layer_number - 1}.{rest}"
     if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
         return "embedding.word_embeddings.weight"  # the last stage's copy of the tied embedding
     return name
@@ -98,9 +109,19 @@ def unshard(shards: list[torch.Tensor], kind, dim: int, vocab_size: int) -> torc
     return torch.cat(shards, dim)
 
 
-def _tp():
+def is_expert(param) -> bool:
+    """An expert's parameter: megatron-core reduces its gradient over the expert-data-parallel
+    group, not the data-parallel one (`allreduce` False)."""
+    return not getattr(param, "allreduce", True)
+
+
+def _tp(param=None):
+    """(rank, size) of the tensor-parallel group `param` is split over (the expert-TP group for
+    an expert's parameter)."""
     from megatron.core import parallel_state as ps
 
+    if param is not None and is_expert(param):
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
@@ -125,8 +146,8 @@ def init_full(canon: str, shape, *, seed: int, std: float, num_layers: int) -> t
 def init_parameters(model, *, seed: int, std: float, num_layers: int, vocab_size: int, tied: bool) -> None:
     """Give every local shard its slice of the canonical initial tensors (layout-invariant)."""
     model = unwrap(model)
-    tp_rank, tp = _tp()
     for name, p in model.named_parameters():
+        tp_rank, tp = _tp(p)
         canon = canonical_name(model, name)
         kind, dim = split_kind(name, p)
         full = init_full(canon, full_shape(p.shape, kind, dim, tp, vocab_size), seed=seed, std=std, num_layers=num_layers)
@@ -142,7 +163,6 @@ def load_full_state_dict(model, full: Mapping[str, torch.Tensor], vocab_size: in
     (checkpoint.hf.LazyCanonical) reads only this pipeline stage's tensors; its `shape_of`
     serves the shape checks, which all pass before anything is copied."""
     model = unwrap(model)
-    tp_rank, tp = _tp()
     from megarl.models.lora import is_adapter
 
     base_only = not any(is_adapter(k) for k in full)  # a base model's tensors: LoRA adapters keep their init
@@ -152,6 +172,7 @@ def load_full_state_dict(model, full: Mapping[str, torch.Tensor], vocab_size: in
     for name, p in params:
         canon = canonical_name(model, name)
         kind, dim = split_kind(name, p)
+        tp = _tp(p)[1]
         if canon not in full:
             missing.append(canon)
             continue
@@ -164,6 +185,7 @@ def load_full_state_dict(model, full: Mapping[str, torch.Tensor], vocab_size: in
             ([f"missing {', '.join(missing)}"] if missing else []) + wrong))
     for name, p in params:
         kind, dim = split_kind(name, p)
+        tp_rank, tp = _tp(p)
         p.copy_(shard(full[canonical_name(model, name)].to(p.dtype), kind, dim, tp_rank, tp, p.shape))
 
 
@@ -177,23 +199,26 @@ def gather_full_state_dict(model, vocab_size: int) -> dict[str, torch.Tensor] | 
     from megatron.core import parallel_state as ps
 
     model = unwrap(model)
-    _, tp = _tp()
-    group = ps.get_tensor_model_parallel_group()
+    first_replica = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+    # experts: one copy per expert-data-parallel group, each expert-parallel rank holding its share
+    first_expert_replica = ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
     stage: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         kind, dim = split_kind(name, p)
+        _, tp = _tp(p)
+        group = ps.get_expert_tensor_parallel_group() if is_expert(p) else ps.get_tensor_model_parallel_group()
         data = p.detach().to("cpu", torch.float32, copy=True)  # never alias live parameters
         if kind is not None and tp > 1:
             shards = [torch.empty_like(data) for _ in range(tp)]
             dist.all_gather(shards, data.contiguous(), group=group)
         else:
             shards = [data]
-        stage[canonical_name(model, name)] = unshard(shards, kind, dim, vocab_size)
-    first_replica = ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+        if first_expert_replica if is_expert(p) else first_replica:
+            stage[canonical_name(model, name)] = unshard(shards, kind, dim, vocab_size)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return stage
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(stage if first_replica else {}, gathered, dst=0)
+    dist.gather_object(stage, gathered, dst=0)
     if dist.get_rank() != 0:
         return None
     merged: dict[str, torch.Tensor] = {}

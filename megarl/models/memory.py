@@ -10,10 +10,15 @@ torch.cuda.max_memory_allocated are the measurements):
   only, and a LoRA actor is its own reference (no reference role: trainers/weights.py);
 - offload: a role's offloaded states are on the GPU only in its own phases, so the peak holds
   every role's resident states plus the largest one role's offloaded states;
+- MoE layers: this rank's num_experts / ep experts (each 3 h x expert_hidden / etp), the router
+  and the shared expert in place of the MLP; the experts' Adam state divides over the
+  expert-data-parallel ranks (world / (etp x ep x pp)) with the distributed optimizer;
 - activations of one training micro-batch without recomputation, per token and layer:
   4h + (2 heads + 2 kv) head_dim + 3 ffn values (norm inputs/outputs, q/k/v/attention output for
   SDPA/flash attention -- no s x s scores --, SwiGLU's gate, up and product), the TP-sharded parts
-  / tp, the h parts / tp only with sequence parallelism; times the micro-batches 1F1B keeps in
+  / tp, the h parts / tp only with sequence parallelism (MoE: topk x (3 expert_hidden / etp + 2 h)
+  for the experts' SwiGLU and the dispatched copies of the token, plus the shared expert's 3
+  widths / tp, in place of 3 ffn); times the micro-batches 1F1B keeps in
   flight on the first stage (min(pp, micro-batches)); plus the vocab-parallel logits and their
   gradient on the last stage;
 - generation: the KV cache of one rollout micro-batch (in the actor's precision: FP8 does not
@@ -39,20 +44,24 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 class ParamCounts:
     """Parameters of this TP rank on the worst pipeline stage: GEMM weights and the rest."""
 
-    gemm: int  # transformer linear weights (what FP8 stores in 1 byte)
-    other: int  # embeddings, output layer, norms, biases, scalar head
+    gemm: int  # transformer linear weights (what FP8 stores in 1 byte), experts included
+    other: int  # embeddings, output layer, norms, biases, scalar head, routers
+    expert: int = 0  # the MoE experts' share of gemm (their optimizer state splits over expert DP)
 
     @property
     def total(self) -> int:
         return self.gemm + self.other
 
 
-def stage_params(m: ModelConfig, tp: int, pp: int, head: str = "lm") -> ParamCounts:
+def stage_params(m: ModelConfig, tp: int, pp: int, head: str = "lm", ep: int = 1, etp: int | None = None) -> ParamCounts:
     h, hd = m.hidden_size, m.head_dim or m.hidden_size // m.num_attention_heads
     kv = m.num_kv_heads or m.num_attention_heads
     qkv_out = (m.num_attention_heads + 2 * kv) * hd
-    gemm_layer = (h * qkv_out + m.num_attention_heads * hd * h + 3 * h * m.ffn_hidden_size) // tp
-    other_layer = 2 * h + (qkv_out // tp if m.qkv_bias else 0) + (2 * hd if m.qk_norm else 0)
+    moe = m.moe
+    experts = moe.num_experts // ep * 3 * h * (moe.expert_hidden or m.ffn_hidden_size) // (etp or tp)
+    mlp = 3 * h * (moe.shared_expert_hidden if moe.num_experts else m.ffn_hidden_size)
+    gemm_layer = (h * qkv_out + m.num_attention_heads * hd * h + mlp) // tp + experts
+    other_layer = 2 * h + (qkv_out // tp if m.qkv_bias else 0) + (2 * hd if m.qk_norm else 0) + moe.num_experts * h
     layers = m.num_layers // pp
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp) * h // tp
     if head == "scalar":
@@ -61,7 +70,8 @@ def stage_params(m: ModelConfig, tp: int, pp: int, head: str = "lm") -> ParamCou
         output = 0 if m.tie_embeddings and pp == 1 else vocab  # tied over PP: the last stage keeps a copy
     first = vocab + (output + h if pp == 1 else 0)
     last = output + h + (vocab if pp == 1 else 0)
-    return ParamCounts(gemm=layers * gemm_layer, other=layers * other_layer + max(first, last))
+    return ParamCounts(gemm=layers * gemm_layer, other=layers * other_layer + max(first, last),
+                       expert=layers * experts)
 
 
 @dataclass
@@ -82,9 +92,9 @@ class RoleMemory:
 
 
 def role_memory(name: str, m: ModelConfig, cfg: Config, dp: int, precision: str, trained: bool,
-                offload: OffloadConfig, head: str = "lm") -> RoleMemory:
+                offload: OffloadConfig, head: str = "lm", expert_dp: int = 1) -> RoleMemory:
     p = cfg.parallel
-    n = stage_params(m, p.tp, p.pp, head)
+    n = stage_params(m, p.tp, p.pp, head, p.ep, p.etp)
     fp8_weights = cfg.train.fp8.format is not None and cfg.train.fp8.param_gather
     params = (n.gemm * (1 if fp8_weights else BYTES[precision])) + n.other * BYTES[precision]
     trainable = n.total
@@ -93,8 +103,13 @@ def role_memory(name: str, m: ModelConfig, cfg: Config, dp: int, precision: str,
         params += trainable * BYTES[precision]
     if not trained:
         return RoleMemory(name, params, 0, 0, offload)
-    adam = (8 if precision == "fp32" else 12) * trainable  # (master copy +) exp_avg + exp_avg_sq, fp32
-    return RoleMemory(name, params, 4 * trainable, adam // dp if p.distributed_optimizer else adam, offload)
+    per_param = 8 if precision == "fp32" else 12  # (master copy +) exp_avg + exp_avg_sq, fp32
+    if m.lora is not None:  # the adapters' states only (dense: the experts' bases are frozen too)
+        adam = per_param * trainable
+        return RoleMemory(name, params, 4 * trainable, adam // dp if p.distributed_optimizer else adam, offload)
+    dense, experts = per_param * (n.total - n.expert), per_param * n.expert
+    adam = dense // dp + experts // expert_dp if p.distributed_optimizer else dense + experts
+    return RoleMemory(name, params, 4 * n.total, adam, offload)
 
 
 def activation_bytes(m: ModelConfig, cfg: Config, precision: str, tokens: int, micro_batches: int,
@@ -106,6 +121,10 @@ def activation_bytes(m: ModelConfig, cfg: Config, precision: str, tokens: int, m
     kv = m.num_kv_heads or m.num_attention_heads
     h_part = 4 * m.hidden_size // (p.tp if p.sequence_parallel else 1)
     tp_part = ((2 * m.num_attention_heads + 2 * kv) * hd + 3 * m.ffn_hidden_size) // p.tp
+    moe = m.moe
+    if moe.num_experts:  # top-k experts' SwiGLU values and the dispatched token copies, the shared expert
+        tp_part += (3 * moe.shared_expert_hidden - 3 * m.ffn_hidden_size) // p.tp
+        h_part += moe.topk * (3 * (moe.expert_hidden or m.ffn_hidden_size) // (p.etp or p.tp) + 2 * m.hidden_size)
     per_layer = tokens * (h_part + tp_part) * b
     layers = m.num_layers // p.pp
     first = per_layer * layers * min(p.pp, micro_batches)
@@ -143,13 +162,14 @@ def estimate(cfg: Config, world_size: int, stage: str, roles: list[str] | None =
     """stage: sft, rm (one trained model) or rl (`roles`: the RL roles the run builds)."""
     p = cfg.parallel
     dp = p.dp if p.dp is not None else max(world_size // (p.tp * p.pp * p.cp), 1)
+    expert_dp = max(world_size // ((p.etp or p.tp) * p.ep * p.pp), 1)
     if stage != "rl":
         head = "scalar" if stage == "rm" else "lm"
         rows = cfg.data.micro_batch_size * (2 if stage == "rm" else 1)  # RM: chosen + rejected rows
         tokens = rows * cfg.data.seq_length
         n_micro = cfg.data.global_batch_size // max(cfg.data.micro_batch_size * dp, 1)
         role = role_memory("policy" if stage == "sft" else "reward_model", cfg.model, cfg, dp, cfg.train.precision,
-                           True, OffloadConfig(), head)
+                           True, OffloadConfig(), head, expert_dp)
         act = activation_bytes(cfg.model, cfg, cfg.train.precision, tokens, n_micro, head)
         return MemoryEstimate([role], act, f"train micro-batch of {tokens} tokens", 0, "")
     r = cfg.rl
@@ -158,7 +178,7 @@ def estimate(cfg: Config, world_size: int, stage: str, roles: list[str] | None =
         rc = role_config(cfg, name)
         head = "scalar" if name in ("critic", "reward") else "lm"
         trained = name in ("actor", "critic")
-        mems.append(role_memory(name, rc.model, cfg, dp, rc.precision, trained, rc.offload, head))
+        mems.append(role_memory(name, rc.model, cfg, dp, rc.precision, trained, rc.offload, head, expert_dp))
     length = r.max_prompt_len + r.max_new_tokens
     tokens = r.max_tokens_per_micro_batch or r.micro_batch_size * length
     rows_per_rank = r.prompts_per_step // dp * r.samples_per_prompt

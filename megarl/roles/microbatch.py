@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 # keys of a dict micro-batch that the model reads; every other key is data for the loss
-MODEL_KEYS = ("tokens", "position_ids", "attention_mask", "output_from", "return_hidden")
+MODEL_KEYS = ("tokens", "position_ids", "attention_mask", "output_from", "return_hidden", "routing")
 
 
 @dataclass
@@ -22,6 +22,7 @@ class MicroBatch:
     attention_mask: torch.Tensor | None = None  # [b, 1, s, s] bool (True = masked), or None: causal
     output_from: int = 0                   # the head runs on columns output_from: only
     return_hidden: bool = False            # an LM head returns models.gpt.HeadStates, not logits
+    routing: torch.Tensor | None = None    # [b, s, layers, k] MoE experts to replay (-1: the router's own)
 
     @classmethod
     def of(cls, mb) -> "MicroBatch":
@@ -50,6 +51,8 @@ class MicroBatch:
         kw = {"output_from": self.output_from} if self.output_from else {}
         if self.return_hidden:
             kw["return_hidden"] = True
+        if self.routing is not None:
+            kw["routing"] = self.routing
         return kw
 
     def to(self, device: torch.device) -> "MicroBatch":
@@ -58,5 +61,5 @@ class MicroBatch:
             return v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
 
         return dataclasses.replace(self, tokens=move(self.tokens), position_ids=move(self.position_ids),
-                                   attention_mask=move(self.attention_mask),
+                                   attention_mask=move(self.attention_mask), routing=move(self.routing),
                                    data={k: move(v) for k, v in self.data.items()})

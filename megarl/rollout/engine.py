@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.attention import slot_context_class
+from megarl.models import moe
 from megarl.models.layout import unwrap
 from megarl.rollout.decode import DecodeState, DecodeWorkspace, bucket_for, bucket_sizes, decode_step
 from megarl.rollout.sampling import SamplingParams, filter_logits, row_uniforms, sample_tokens, uniform_table
@@ -68,6 +69,9 @@ class Rollout:
     tool_timeouts: torch.Tensor | None = None     # [N] long: calls that hit the tool's timeout
     observation_tokens: torch.Tensor | None = None  # [N] long: forced tokens in the response
     hit_call_limit: torch.Tensor | None = None    # [N] bool: ended on a call beyond max_tool_calls
+    # MoE with record_routing: [N, L, layers, k] int16, the experts each token went to (this
+    # stage's MoE layers), aligned with tokens; -1 where unknown (a row's last token, padding)
+    routing: torch.Tensor | None = None
 
     def __post_init__(self):
         N = self.tokens.shape[0]
@@ -149,6 +153,18 @@ class MegatronRolloutEngine(RolloutEngine):
         self._holds: dict = {}  # last characters -> token ids that may end such a string
         if self.tools is not None and (decode is None or encode is None):
             raise ValueError("MegatronRolloutEngine(tools=...) needs decode and encode functions (the tokenizer's)")
+        self.ep_group = _expert_parallel_group(self.config)
+        self.record_routing = False  # MoE: record each token's experts (Rollout.routing), per-step path only
+
+    def _ep_max(self, value: int) -> int:
+        """The largest `value` over the expert-parallel group. Its ranks run every MoE forward's
+        all-to-all together, so each runs as many KV-cache batches and decode steps as the
+        busiest one: a rank whose rows are done steps on with them as padding."""
+        if self.ep_group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ep_group)
+        return int(t.item())
 
     # ------------------------------------------------------------------ public
 
@@ -183,8 +199,11 @@ class MegatronRolloutEngine(RolloutEngine):
                  "batches": 0, "compactions": 0}
         if self.tools is not None:
             stats["tool_s"] = 0.0
+        batches = range(0, N, self.max_batch_size)
         with _inference_mode(self.chunks, self.gpt):
-            for b0 in range(0, N, self.max_batch_size):
+            for _ in range(self._ep_max(len(batches)) - len(batches)):  # match the expert-parallel ranks' batches
+                self._generate_batch([[self.pad_id]], torch.zeros(1, dtype=torch.long), params, seed, {**stats})
+            for b0 in batches:
                 batch = order[b0: b0 + self.max_batch_size]
                 out = self._generate_batch([rows[r] for r in batch],
                                            torch.tensor([sample_offset + r for r in batch], dtype=torch.long),
@@ -221,7 +240,8 @@ class MegatronRolloutEngine(RolloutEngine):
         P = int(lens.max())
         S = P + T
         rt = _RowTools(B, T) if self.tools is not None else None
-        static = self.static_decode and self.config.pipeline_model_parallel_size == 1
+        static = (self.static_decode and self.config.pipeline_model_parallel_size == 1 and not self.record_routing
+                  and self.ep_group is None)
         ws = self.workspace
         if static:  # slots in steps of 256 (at most the model's): calls of close lengths share graphs
             S = min(-(-S // 256) * 256, max(S, self.max_seq_len))
@@ -260,7 +280,10 @@ class MegatronRolloutEngine(RolloutEngine):
             ctx = slot_context_class()(max(B, self.max_batch_size), S)
         ctx.materialize_only_last_token_logits = True
         active = torch.arange(B)  # batch row of each cache row (shrinks as rows finish)
+        stack = contextlib.ExitStack()
+        route = None  # [B, S, layers, k]: the experts of the token fed at each column
         try:
+            routers = stack.enter_context(moe.recording(self.gpt)) if self.record_routing else None
             step_tokens, offset = tokens, 0
             for t in range(T):
                 t0 = time.perf_counter()
@@ -276,6 +299,9 @@ class MegatronRolloutEngine(RolloutEngine):
                     ws.adopt(ctx.key_value_memory_dict, ctx.max_batch_size, ctx.max_sequence_length)
                 if t == 0 and len(first) < B:
                     _take_cache_rows(ctx, expand.to(dev), P)  # [U] -> [B] cache rows: a prompt's keys to its samples
+                if routers:
+                    route = self._record(routers, route, offset, step_tokens.shape[1], active if t else None,
+                                         expand if t == 0 and len(first) < B else None, B, S)
                 offset += step_tokens.shape[1]
                 ctx.increment_sequence_len_offset(step_tokens.shape[1])
                 if t == 0:
@@ -309,12 +335,13 @@ class MegatronRolloutEngine(RolloutEngine):
                     ends = self._tool_calls(rt, [(r, t) for r in rows[~hit].tolist()], out_ids)
                     done[ends] = True
                     stats["tool_s"] += time.perf_counter() - t1
-                if bool(done.all()):
+                if self._ep_max(int(not bool(done.all()))) == 0:
                     break
                 alive = ~done[active]  # [A]
                 if (self.compact and not static  # the static path compacts into buckets
                         and len(active) - int(alive.sum()) >= max(1, (len(active) + 3) // 4)):
                     keep = torch.nonzero(alive).flatten()  # finished rows leave the cache: less work per step
+                    keep = keep if len(keep) else torch.zeros(1, dtype=torch.long)  # stepping for other EP ranks
                     _take_cache_rows(ctx, keep.to(dev), offset)
                     active, ids, key_pad, pads = active[keep], ids[keep], key_pad[keep.to(dev)], pads[keep.to(dev)]
                     stats["compactions"] += 1
@@ -329,13 +356,34 @@ class MegatronRolloutEngine(RolloutEngine):
                     stats["decode_s"] += time.perf_counter() - t0
                     break
         finally:
+            stack.close()
             ctx.key_value_memory_dict.clear()  # free the cache now, not at the next GC
         responses = [out_ids[b, : resp_len[b]].tolist() for b in range(B)]
         logprobs = [out_lp[b, : resp_len[b]] for b in range(B)]
         extras = rt.rows(resp_len) if rt is not None else {
             "observed": [torch.zeros(int(n), dtype=torch.bool) for n in resp_len], "calls": [0] * B,
             "errors": [0] * B, "timeouts": [0] * B, "hit_limit": [False] * B}
+        extras["routing"] = [None] * B
+        if route is not None:  # a row's tokens; its last one was never fed (its routing unknown)
+            extras["routing"] = [torch.cat([route[b, P - lens[b]: P + resp_len[b] - 1],
+                                            route.new_full((1, *route.shape[2:]), -1)]) for b in range(B)]
         return responses, logprobs, stopped.tolist(), extras
+
+    @staticmethod
+    def _record(routers, route, col, s, active, expand, B, S):
+        """The routers' top-k of the last forward into route [B, S, layers, k] at columns
+        col..col+s: rows `active` (decode), or every batch row from its prompt's prefill row."""
+        idx = moe.recorded(routers).cpu().to(torch.int16)  # [s * rows, layers, k]
+        for r in routers:
+            r.router_replay.recorded.clear()
+        idx = idx.view(s, -1, *idx.shape[1:]).transpose(0, 1)  # [rows, s, layers, k]
+        if route is None:
+            route = torch.full((B, S, *idx.shape[2:]), -1, dtype=torch.int16)
+        if active is not None:
+            route[active, col: col + s] = idx
+        else:
+            route[:, col: col + s] = idx if expand is None else idx[expand]
+        return route
 
     def _decode_static(self, ctx, active, tokens, key_pad, offset, outputs, sample_ids, params, seed, stats, rt):
         """Decode steps 1.. of one KV-cache batch with rollout/decode.py's graph-safe step; the
@@ -611,13 +659,19 @@ class MegatronRolloutEngine(RolloutEngine):
         for i, observed in enumerate(extras["observed"]):
             sampled[i, : len(observed)] &= ~observed
         counts = {k: torch.tensor(extras[k], dtype=torch.long) for k in ("calls", "errors", "timeouts")}
+        routing = None
+        if N and extras["routing"][0] is not None:
+            routing = torch.full((N, L, *extras["routing"][0].shape[1:]), -1, dtype=torch.int16)
+            for i, r in enumerate(extras["routing"]):
+                routing[i, : len(r)] = r
         return Rollout(tokens, prompt_lens, response_lens, lp, mask, stopped, stats, sampled_mask=sampled,
                        tool_calls=counts["calls"], tool_errors=counts["errors"], tool_timeouts=counts["timeouts"],
                        observation_tokens=(mask & ~sampled).sum(1), hit_call_limit=torch.tensor(extras["hit_limit"],
-                                                                                                 dtype=torch.bool))
+                                                                                                 dtype=torch.bool),
+                       routing=routing)
 
 
-_ROW_EXTRAS = ("observed", "calls", "errors", "timeouts", "hit_limit")
+_ROW_EXTRAS = ("observed", "calls", "errors", "timeouts", "hit_limit", "routing")
 _STATE_OUT = ("out_ids", "out_lp", "resp_len", "done", "stopped", "observed")  # DecodeState's outputs, as _write_back takes them
 
 
@@ -662,6 +716,16 @@ class _RowTools:
     def rows(self, resp_len) -> dict:
         return {"observed": [self.observed[b, : int(n)].clone() for b, n in enumerate(resp_len)],
                 "calls": self.calls, "errors": self.errors, "timeouts": self.timeouts, "hit_limit": self.hit_limit}
+
+
+def _expert_parallel_group(config):
+    """The group a MoE layer's token dispatch spans (expert TP x EP) when it has more than one rank."""
+    if not config.num_moe_experts or not dist.is_initialized():
+        return None
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_tensor_and_model_parallel_group(check_initialized=False)
+    return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
 def _model_parallel_group():

@@ -17,6 +17,10 @@ does nothing at all when CUDA is available, so GPU runs use megatron-core untouc
    unpinned tensor on a GPU machine, minus the page locking, which needs an accelerator), and
    `pin_memory=True` in a factory is dropped. E.g. the distributed optimizer's buffers offload
    with `param_data.cpu().pin_memory()` as the kept copy before freeing `param_data`.
+7. CUDA streams and events: the MoE all-to-all token dispatcher copies its split sizes to the
+   host on a side stream and waits on an event; on CPU they are one stream and a no-op wait.
+   Its split sizes become numpy arrays only when they were on the GPU; on CPU they would stay
+   tensors, which gloo's all_to_all_single rejects, so they are converted as on a GPU.
 """
 from __future__ import annotations
 
@@ -93,6 +97,44 @@ class CPURNGStatesTracker:
         return _Tracker()
 
 
+class _HostStream:
+    """torch.cuda.Stream's API on the host: everything runs in order, so waits are no-ops."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return _HostEvent()
+
+    def synchronize(self):
+        pass
+
+
+class _HostEvent:
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _host_tensor(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's `maybe_move_tensor_to_cpu` for tensors already on the host: the numpy
+    array it returns for a GPU tensor (a copy: a live tensor's storage stays resizable)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.detach().clone().numpy()
+    return tensor
+
+
 # Known, harmless warnings on CPU, once per rank per run otherwise: megatron asks for a CUDA
 # setting that has no meaning without CUDA; torch deprecates ShardedTensor, which megatron-core's
 # dist_checkpointing still uses on every load (reported from this module, as the torch calls go
@@ -120,12 +162,18 @@ def enable() -> bool:
     torch.cuda.synchronize = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.pin_memory = lambda self, *a, **k: self.clone()
+    torch.cuda.Stream = _HostStream
+    torch.cuda.current_stream = lambda *a, **k: _HOST_STREAM
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
 
     from megatron.core.tensor_parallel import random as mp_random
 
     mp_random._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_tensor
     _mode = CudaToCpuMode()
     _mode.__enter__()
     return True

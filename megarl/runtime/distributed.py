@@ -98,11 +98,12 @@ def world_size_from_env(environ=None) -> int:
 
 
 def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, *, seed: int = 1234,
-                     backend: str = "auto", timeout_minutes: int = 30) -> ProcessEnv:
+                     backend: str = "auto", timeout_minutes: int = 30, ep: int = 1,
+                     etp: int | None = None) -> ProcessEnv:
     """Create the default process group and megatron-core's parallel groups, then seed.
 
     Idempotent for the default group: a caller (a test harness, an outer launcher) may have
-    created it already.
+    created it already. ep/etp: the experts' parallel sizes (megatron-core's expert groups).
     """
     from megatron.core import parallel_state
 
@@ -122,7 +123,8 @@ def init_distributed(tp: int = 1, pp: int = 1, cp: int = 1, *, seed: int = 1234,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp)
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     set_seed(seed)
     return env
 

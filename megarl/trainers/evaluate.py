@@ -102,6 +102,8 @@ def pass_at_k_eval(engine, dataset, tok, *, n_prompts: int, k: int, params, seed
             pairs.update(tool_metric_pairs(rollout))
             for i, row in enumerate(rows):
                 row["tool_calls"] = int(rollout.tool_calls[i * k])
+    elif getattr(engine, "ep_group", None) is not None:  # no prompts here: still step with the expert-parallel ranks
+        engine.generate([], params, seed=seed)
     if not dp_max(graded):
         del pairs[mk_name]
     return dp_means(pairs), rows if rank == 0 else []

@@ -28,6 +28,7 @@ import torch
 from megarl import algorithms as A
 from megarl.config import Config, ConfigError
 from megarl.config.schema import role_config
+from megarl.models import moe
 from megarl.models.gpt import HeadStates, mask_padded_vocab
 from megarl.models.lora import adapters_disabled
 from megarl.ops import IGNORE_INDEX, head_token_loss
@@ -72,15 +73,16 @@ class Experience:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     is_weight: torch.Tensor | None = None  # [N, L] fp32: rl.rollout_correction=tis's per-token weights
+    routing: torch.Tensor | None = None  # [N, L, layers, k] int16: the rollout's experts per token (MoE)
 
-    def microbatch(self, rows: list[int], hidden: bool = False) -> MicroBatch:
+    def microbatch(self, rows: list[int], hidden: bool = False, routing: bool = False) -> MicroBatch:
         """Rows `rows`, cut to their longest sequence, as a Role micro-batch.
 
         The model's head runs only from the first column that predicts a response token
         (`output_from`: no logits for the prompt prefix the rows share), so every per-token
         field is given from that column on: [b, width - output_from]. hidden: an LM role returns
         its final hidden states and output weight instead of logits (`return_hidden`), for the
-        fused head op."""
+        fused head op. routing: the model replays the rollout's experts (rl.routing_replay)."""
         width = max(self.lengths[i] for i in rows)
         idx = torch.tensor(rows)
         first = int(self.prompt_lens[idx].min()) - 1  # earliest column predicting a response token
@@ -90,7 +92,8 @@ class Experience:
             if value is not None:
                 data[name] = value[idx, first:width]
         return MicroBatch(self.tokens[idx, :width], torch.arange(width).expand(len(rows), width), data,
-                          output_from=first, return_hidden=hidden)
+                          output_from=first, return_hidden=hidden,
+                          routing=self.routing[idx, :width] if routing and self.routing is not None else None)
 
     def rows(self, rows: list[int]) -> "Experience":
         idx = torch.tensor(rows, dtype=torch.long)
@@ -103,8 +106,8 @@ class Experience:
         """Rows of `parts` in order; per-token tensors right-padded to the widest part."""
         width = max(p.tokens.shape[1] for p in parts)
 
-        def widen(t, fill):
-            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) if t.dim() == 2 else t
+        def widen(t, fill):  # [N, L, ...] -> [N, width, ...]
+            return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), fill)], 1) if t.dim() > 1 else t
 
         out = {}
         for f in fields(Experience):
@@ -114,7 +117,7 @@ class Experience:
             elif any(v is None for v in values):
                 out[f.name] = None
             else:
-                fill = pad_id if f.name in ("tokens", "labels") else 0
+                fill = pad_id if f.name in ("tokens", "labels") else -1 if f.name == "routing" else 0
                 out[f.name] = torch.cat([widen(v, fill) for v in values])
         return Experience(**out)
 
@@ -133,7 +136,7 @@ def experience_from_rollout(rollout, pad_id: int) -> Experience:
     rollout_logp[response] = rollout.logprobs[rollout.response_mask]  # 0 at observations
     lengths = (rollout.prompt_lens + rollout.response_lens).tolist()
     return Experience(tokens, labels, mask, rollout.prompt_lens.clone(), lengths, rollout.stopped.clone(),
-                      rollout_logp, torch.zeros(n))
+                      rollout_logp, torch.zeros(n), routing=rollout.routing)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,9 +167,10 @@ def _token_logprobs(vocab_size: int, temperature: float, with_entropy: bool = Fa
     return fn
 
 
-def collect_per_token(role: Role, exp: Experience, groups: list[list[int]], fn, hidden: bool = False) -> torch.Tensor:
+def collect_per_token(role: Role, exp: Experience, groups: list[list[int]], fn, hidden: bool = False,
+                      routing: bool = False) -> torch.Tensor:
     """A [N, L] fp32 tensor from `fn(batch, output) -> [b, s]` over every micro-batch (forward only)."""
-    mbs = [exp.microbatch(g, hidden) for g in groups]
+    mbs = [exp.microbatch(g, hidden, routing) for g in groups]
     out = torch.zeros(exp.tokens.shape, dtype=torch.float32)
     for g, mb, part in zip(groups, mbs, role.forward_collect(mbs, lambda b, o: fn(b, o).float().cpu())):
         out[torch.tensor(g), mb.output_from: mb.output_from + part.shape[1]] = part
@@ -200,6 +204,7 @@ class RLStage(Stage):
         # the KL's reference: its own role, or the LoRA actor with its adapters off (no second model)
         self.reference = self.actor if lora_reference(cfg) else self.all_roles.get("reference")
         self.engine = rollout_engine(cfg, self.actor, self.tok)
+        self.engine.record_routing = bool(cfg.model.moe.num_experts)  # replay, or its agreement metric
         self.reward_fn = load_reward_fn(r.reward_fn) if r.reward_fn else None
         self.eval_reward_fn = load_reward_fn(r.eval_reward_fn)
         if r.kl_target is not None:
@@ -208,6 +213,7 @@ class RLStage(Stage):
             self.kl_ctl = A.FixedKLController(r.kl_coef)
         self.nonfinite_in_a_row = 0
         self.kl_over_ceiling = 0
+        self.agreement = None  # (same, compared) (token, layer) routings of the last scoring, MoE only
         self.phases = PhaseScheduler(self.all_roles, self._phase_plan(), offloadable=self._offloadable())
 
     # -- residency ----------------------------------------------------------------------------
@@ -239,6 +245,8 @@ class RLStage(Stage):
         clock = PhaseClock(self.phases)
         exp, metrics = self.generate(step, clock)             # 1. samples and their rewards
         groups = self.score(exp, clock)                         # 2. log-probs and values
+        if self.agreement is not None:  # MoE without routing replay: did training route as the rollout did?
+            metrics["moe/routing_agreement"] = dp_means({"a": self.agreement})["a"]
         metrics.update(self.advantages(exp, groups, clock))     # 3.
         if not metrics.pop("finite"):
             return self._skip(step, "non-finite reward or advantage", clock)
@@ -382,19 +390,41 @@ class RLStage(Stage):
         groups = self._plan(exp)
         logprobs = _token_logprobs(self.cfg.model.vocab_size, r.temperature)
         fused = r.fused_head
+        replay = r.routing_replay == "rollout"
         if r.old_logprobs == "rollout":  # the sampled distribution's own log-probs
             exp.old_logp = exp.rollout_logp
         else:
-            with clock.phase("score_actor"):
-                exp.old_logp = collect_per_token(self.actor, exp, groups, lambda b, o: logprobs(b, o)[0], fused)
+            with clock.phase("score_actor"), self._routing_agreement(exp, groups):
+                exp.old_logp = collect_per_token(self.actor, exp, groups, lambda b, o: logprobs(b, o)[0], fused,
+                                                 replay)
         if self.reference is not None:
             off = adapters_disabled(self.actor.model) if self.reference is self.actor else contextlib.nullcontext()
             with clock.phase("score_reference"), off:
-                exp.ref_logp = collect_per_token(self.reference, exp, groups, lambda b, o: logprobs(b, o)[0], fused)
+                exp.ref_logp = collect_per_token(self.reference, exp, groups, lambda b, o: logprobs(b, o)[0], fused,
+                                                 replay)
         if "critic" in self.all_roles:
             with clock.phase("score_critic"):
                 exp.values = collect_per_token(self.all_roles["critic"], exp, groups, lambda b, o: o.squeeze(-1))
         return groups
+
+    @contextlib.contextmanager
+    def _routing_agreement(self, exp: Experience, groups: list[list[int]]):
+        """Without replay: record the actor's experts in the block's forwards (one per micro-batch
+        of `groups`) and set `self.agreement` to the share of (token, layer) pairs routed to the
+        same experts as in the rollout (this pipeline stage's layers)."""
+        self.agreement = None
+        if exp.routing is None or self.cfg.rl.routing_replay != "none":
+            yield
+            return
+        with moe.recording(self.actor.model) as routers:
+            yield
+        same = seen = 0
+        for call, rows in enumerate(groups):
+            width = max(exp.lengths[i] for i in rows)
+            got = moe.recorded(routers, call).view(width, len(rows), len(routers), -1).transpose(0, 1)
+            a, n = moe.agreement(got.cpu(), exp.routing[torch.tensor(rows), :width].long())
+            same, seen = same + a, seen + n
+        self.agreement = (same, seen)
 
     def _plan(self, exp: Experience, rows: list[int] | None = None) -> list[list[int]]:
         """Micro-batches of exp's rows `rows` (default all), as lists of row indices."""
@@ -532,11 +562,12 @@ class RLStage(Stage):
         n = exp.tokens.shape[0]
         sums: dict = {}
         skipped = 0
+        replay = r.routing_replay == "rollout" and role is not self.all_roles.get("critic")
         for epoch in range(r.ppo_epochs):
             assignment = minibatch_rows(n, self.dp_rank * n, r.mini_batches, (self.cfg.train.seed, step, epoch))
             for k, rows in enumerate(assignment):
                 plan = self._plan(exp, rows)
-                mbs = [exp.microbatch(grp, hidden) for grp in plan]
+                mbs = [exp.microbatch(grp, hidden, routing=replay) for grp in plan]
                 result = role.train_step(mbs, loss_fn, skip_nonfinite=True)
                 skipped += int(result.skipped)
                 for key, v in {**result.metrics, "grad_norm": result.grad_norm, "lr": result.lr}.items():

@@ -48,7 +48,7 @@ def stage_session(cfg: Config, stage: str, keep_process_group: bool = False):
     check_preflight(cfg, stage)  # every rank, before any process group, run dir or MLflow run exists
     p = cfg.parallel
     env = init_distributed(p.tp, p.pp, p.cp, seed=cfg.train.seed, backend=cfg.launcher.backend,
-                           timeout_minutes=cfg.launcher.timeout_minutes)
+                           timeout_minutes=cfg.launcher.timeout_minutes, ep=p.ep, etp=p.etp)
     setup_logging(env.rank)
     run_dir = os.path.abspath(cfg.train.run_dir)
     stage_dir = os.path.join(run_dir, stage)
