@@ -146,6 +146,11 @@ def _memory_lines(cfg, args) -> list[str]:
     return format_estimate(estimate(cfg, _world(args), stage, roles), device.memory_bytes, device.name)
 
 
+def _print_memory(cfg, args) -> None:
+    for line in _memory_lines(cfg, args):
+        print(line, flush=True)
+
+
 def _load(args):
     """The config, checked in one pass: its keys and values, the cross-field rules and the
     stage's inputs (data files, tokenizer, checkpoints); every problem found is one line of one
@@ -161,11 +166,12 @@ def _load(args):
     rules = [] if bad else check_config(cfg, _world(args), stage=RULES.get(stage), device=_device(args))
     inputs = [line for line in preflight(cfg, stage) if not any(key in line for key in bad)]
     errs = [msg for _, msg in problems] + rules + inputs
-    if len(errs) == 1 and not rules:
-        raise ConfigError(errs[0])
-    if errs:
-        raise ConfigError(("invalid config:\n  " if bad or rules else "cannot start:\n  ") + "\n  ".join(errs))
-    return cfg
+    if not errs:
+        return cfg
+    e = ConfigError(errs[0] if len(errs) == 1 and not rules else
+                    ("invalid config:\n  " if bad or rules else "cannot start:\n  ") + "\n  ".join(errs))
+    e.config = None if bad or rules else cfg  # a valid config whose inputs are missing
+    raise e
 
 
 def _is_pipeline_config(args) -> bool:
@@ -223,10 +229,18 @@ def run(args) -> int:
     if args.command == "validate":
         if _is_pipeline_config(args):
             _validate_pipeline(args)
-        else:  # config, data, tokenizer, starting checkpoint (what a run would hit), then the memory estimate
-            cfg = _load(args)
-            for line in _memory_lines(cfg, args):
-                print(line, flush=True)
+        else:  # the memory estimate of a valid config; its problems and its inputs' in one error
+            from megarl.config import ConfigError
+
+            try:
+                cfg = _load(args)
+            except ConfigError as e:
+                cfg = getattr(e, "config", None)
+                if cfg is None:
+                    raise
+                _print_memory(cfg, args)  # the config holds; its inputs are elsewhere (a login node)
+                raise
+            _print_memory(cfg, args)
         source = "--world-size" if args.world_size is not None else "$WORLD_SIZE or 1"
         print(f"{args.config}: valid for world size {_world(args)} ({source})")
         return 0

@@ -225,11 +225,11 @@ def _run_section(client, run, out_dir: Path, prefix: str) -> list[str]:
                      f"(step {data.tags.get('checkpoint.latest_step', '?')})")
     params = stage_params(data.params, data.tags.get("megarl.stage"))
     highlights = {k: v for k, v in sorted(params.items()) if _PARAM_HIGHLIGHTS.search(k)}
-    shown = highlights or dict(sorted(params.items()))  # nothing recognisable: the first ones
+    shown = highlights or dict(list(sorted(params.items()))[:30])  # nothing recognisable: the first ones
     if params:
-        lines += ["", f"### Params ({len(data.params)} logged; {min(len(shown), 30)} of this stage's shown)", "",
+        lines += ["", f"### Params ({len(data.params)} logged; {len(shown)} of this stage's shown)", "",
                   "| param | value |", "|---|---|"]
-        for k, v in list(shown.items())[:30]:
+        for k, v in shown.items():
             lines.append(f"| `{k}` | `{v[:80]}` |")
 
     families: dict[str, dict[str, tuple[list, list]]] = defaultdict(dict)
