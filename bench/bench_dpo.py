@@ -25,8 +25,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def megarl(args: list[str], log: str) -> None:
-    cmd = [sys.executable, "-m", "megarl.cli.main", *args]
+def megarl(args: list[str], log: str, nproc: int = 1) -> None:
+    """Run the CLI (on nproc ranks through torch.distributed.run when nproc > 1), its output appended to log."""
+    ranks = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)] if nproc > 1 else []
+    cmd = [sys.executable, *ranks, "-m", "megarl.cli.main", *args]
     with open(log, "a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()

@@ -457,6 +457,8 @@ COMMANDS = {
     # ---- docs/benchmarks.md: DPO
     "python bench/bench_dpo.py --out runs/bench_dpo --seeds 1234 2 3": (Help(),),
     "python bench/trl_dpo_check.py --trl-python bench/.venv-trl/bin/python": (Help(),),
+    # ---- docs/benchmarks.md: MoE GRPO
+    "python bench/bench_moe.py --run-dir runs/bench_moe --steps 60 --eval-interval 30": (Help(),),
     "megarl sft --config configs/tiny_sft_tools.yaml train.run_dir=R data.synthetic.calculator=1.0": (Validate(),),
     "megarl rl --config configs/tiny_grpo_tools.yaml train.run_dir=R data.synthetic.calculator=1.0 train.seed=S "
     "data.seed=1234 train.steps=40 train.eval_interval=20 rl.eval_prompts=100": (Validate(needs=("sft",)),),
