@@ -168,6 +168,17 @@ def _workspace_body(rank, world_size):
         with torch.no_grad():  # an optimizer step: the weights change in place
             for p in role.chunks[0].parameters():
                 p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-2)
+    # a call that needs more slots (a new cache), then one that needs fewer (the kept cache's)
+    long_engine = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=16, static_decode=True,
+                                        sync_every=3, max_seq_len=1024)
+    eager_long = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=16, static_decode=False,
+                                       max_seq_len=1024)
+    longer = [p + torch.randint(1, VOCAB, (300,), generator=g).tolist() for p in _prompts()[:3]]
+    out["slots"] = []
+    for prompts in (longer, _prompts()):
+        got = long_engine.generate(prompts, params, seed=5)
+        out["slots"].append((long_engine.workspace.seq,
+                             got.responses() == eager_long.generate(prompts, params, seed=5).responses()))
     offload.offload(role, params=True, grads=False, optimizer=False)
     out["after_offload"] = (len(eng.workspace.cache), len(eng.workspace.states), ledger.workspaces["actor/decode"])
     offload.onload(role)
@@ -187,6 +198,7 @@ def test_workspace_is_kept_across_calls_and_released_by_the_offload():
     assert out["kept"] == [True] * 3, "the workspace's tensors moved between calls"
     for counted, nbytes, static in out["ledger"]:
         assert static and counted == nbytes > 0
+    assert out["slots"] == [(512, True), (512, True)]  # the shorter call ran in the kept 512 slots
     assert out["after_offload"] == (0, 0, 0)
     assert out["after_onload"]
 

@@ -245,7 +245,9 @@ class MegatronRolloutEngine(RolloutEngine):
         ws = self.workspace
         if static:  # slots in steps of 256 (at most the model's): calls of close lengths share graphs
             S = min(-(-S // 256) * 256, max(S, self.max_seq_len))
-            if not ws.fits(B, S):
+            if ws.fits(B, S):
+                S = ws.seq  # the kept cache's slots: its states and graphs have that shape
+            else:
                 ws.release()  # before the new cache is allocated
         pads = P - lens  # [B] left padding per row
         tokens = torch.full((B, P), self.pad_id, dtype=torch.long)
