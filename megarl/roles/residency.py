@@ -27,20 +27,21 @@ class ResidencyLedger:
 
     def record(self, role: str, residency: dict, event: str = "") -> None:
         self.roles[role] = {k: dict(v) for k, v in residency.items()}
-        total = self.device_bytes()
-        self.peak_device_bytes = max(self.peak_device_bytes, total)
-        if self.phase is not None:
-            self.phase_peak_bytes[self.phase] = max(self.phase_peak_bytes.get(self.phase, 0), total)
-        self.events.append((self.phase, role, event, total))
+        self.events.append((self.phase, role, event, self._track_peak()))
         del self.events[:-1000]  # a bounded trail
 
     def record_workspace(self, name: str, nbytes: int) -> None:
         """Device bytes of a workspace ("role/name", e.g. the rollout's KV cache and graphs)."""
         self.workspaces[name] = int(nbytes)
+        self._track_peak()
+
+    def _track_peak(self) -> int:
+        """The device total now, folded into the peaks (overall and the phase's); returns it."""
         total = self.device_bytes()
         self.peak_device_bytes = max(self.peak_device_bytes, total)
         if self.phase is not None:
             self.phase_peak_bytes[self.phase] = max(self.phase_peak_bytes.get(self.phase, 0), total)
+        return total
 
     def device_bytes(self, role: str | None = None, kind: str | None = None) -> int:
         """Params, grads and optimizer state (`kind`), and with kind None the workspaces too."""
