@@ -414,8 +414,8 @@ class MegatronRolloutEngine(RolloutEngine):
         st.refresh_mask()
         stops = tuple(sorted(set(params.stop_ids)))
         stop_ids = ws.constant(("stop_ids", stops), stops, dev)
-        holds = self._hold_ids(params)
-        hold_ids = ws.constant(("hold_ids", holds), holds, dev) if holds is not None else None
+        holds, ids = self._hold_ids(params)
+        hold_ids = ws.constant(("hold_ids", holds), ids, dev) if holds is not None else None
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p, params.logprobs, stops, holds)
         sizes = bucket_sizes(st.size)
         use_graphs = self.cuda_graphs and dev.type == "cuda"
@@ -466,20 +466,21 @@ class MegatronRolloutEngine(RolloutEngine):
         stats["cuda_graphs_captured"] = stats.get("cuda_graphs_captured", 0) + captured
         stats["cuda_graphs"] = len(ws.graphs)
 
-    def _hold_ids(self, params) -> tuple | None:
-        """The token ids after which a row waits for the host: those whose text holds the last
-        character of a stop string or of a tool's call close (a string can only be completed by
-        a token holding its last character, where the tokenizer decodes a sequence as its tokens'
-        texts joined). None: nothing to check."""
+    def _hold_ids(self, params) -> tuple[tuple, tuple] | tuple[None, None]:
+        """(the last characters, the token ids after which a row waits for the host): the ids
+        whose text holds the last character of a stop string or of a tool's call close (a string
+        can only be completed by a token holding its last character, where the tokenizer decodes
+        a sequence as its tokens' texts joined). (None, None): nothing to check. The characters
+        name the ids in keys (a few, where the ids may be thousands)."""
         ends = {s_[-1] for s_ in params.stop_strings}
         if self.tools is not None:
             ends |= {tool.call_close[-1] for tool in self.tools.tools}
         if not ends:
-            return None
+            return None, None
         key = tuple(sorted(ends))
         if key not in self._holds:
             self._holds[key] = tuple(i for i in range(self.vocab_size) if any(c in self.decode([i]) for c in key))
-        return self._holds[key]
+        return key, self._holds[key]
 
     def _release_holds(self, st, outputs, rt, params, stats) -> None:
         """At a sync point: the held rows' text as the per-step loop checks it after each token
