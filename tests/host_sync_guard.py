@@ -1,51 +1,105 @@
-"""A guard that fails on any host read of tensor data, for the graph-safe decode step's contract.
+"""A guard that fails on anything in a block that a CUDA graph could not capture, for the
+graph-safe decode step's contract.
 
-On a GPU each of these waits for the device (a host synchronisation) and cannot be captured in
-a CUDA graph; on a CPU they are silent, so the contract test runs the step under this guard:
-`.item()`, `.tolist()`, `.numpy()`, `bool(t)` / `int(t)` / `float(t)`, a copy to the host
-(`.cpu()`, `.to("cpu")`), and data-dependent shapes (`nonzero`, `masked_select`, `unique`,
-indexing with a boolean tensor, `repeat_interleave` by a tensor).
+On a GPU each of these waits for the device (a host synchronisation) or copies host memory to it,
+and cannot be captured in a CUDA graph; on a CPU they are silent, so the contract test runs the
+step under this guard. Two layers, because a CPU run hides different things from each:
+- Python calls (TorchFunctionMode): `.item()`, `.tolist()`, `.numpy()`, `bool(t)` / `int(t)` /
+  `float(t)`, a copy to the host (`.cpu()`, `.to("cpu")`), data-dependent shapes (`nonzero`,
+  `masked_select`, `unique`, indexing with a boolean tensor, `repeat_interleave` by a tensor),
+  `isin` (on CUDA, beyond a few test ids it sorts through `unique`, whose size the host reads),
+  and a tensor made without a device (a factory call such as `torch.arange(n)`): on a GPU it
+  lands in host memory, and using it copies it to the device.
+- aten ops (TorchDispatchMode), which also sees what composite functions and megatron-core call
+  underneath: `_local_scalar_dense` (every scalar read), `nonzero`, `masked_select`, the
+  `unique` family, `equal`, `is_nonzero`, and `lift_fresh` (a tensor made from Python data:
+  host memory, copied to the device).
 """
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__, torch.Tensor.__int__,
           torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu}
 _DATA_SHAPES = {torch.nonzero, torch.Tensor.nonzero, torch.masked_select, torch.Tensor.masked_select, torch.unique,
                 torch.Tensor.unique, torch.argwhere, torch.Tensor.argwhere}
+# factories whose result is on the default (host) device unless `device=` is given
+_FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.as_tensor,
+              torch.rand, torch.randn, torch.randint, torch.linspace, torch.eye}
+_ATEN_SYNCS = {"_local_scalar_dense": "a scalar read (item, bool, int, float)", "nonzero": "nonzero",
+               "masked_select": "masked_select", "_unique": "unique", "_unique2": "unique", "unique_dim": "unique",
+               "unique_consecutive": "unique", "equal": "torch.equal", "is_nonzero": "is_nonzero",
+               "lift_fresh": "a tensor made from Python data (a host-to-device copy)"}
 
 
 class HostSyncError(AssertionError):
     pass
 
 
-class HostSyncGuard(TorchFunctionMode):
-    """Raises HostSyncError on the first host read inside the block; `reads` lists them when
-    `strict=False` (then nothing raises)."""
+class HostSyncGuard:
+    """Raises HostSyncError on the first host read (or host-made tensor) inside the block;
+    `reads` lists them when `strict=False` (then nothing raises). `calls` counts the torch calls
+    it saw, so that a test can tell a clean block from one the guard could not see into."""
 
     def __init__(self, strict: bool = True):
-        super().__init__()
-        self.strict, self.reads = strict, []
+        self.strict, self.reads, self.calls = strict, [], 0
+        # torch function handling back on first: the rollout runs under megarl's
+        # cpu_compat.suspended() (DisableTorchFunction), which would hide every call from a mode
+        self._modes = (torch._C._EnableTorchFunction(), _FunctionGuard(self), _DispatchGuard(self))
 
-    def _flag(self, what: str):
+    def flag(self, what: str):
         self.reads.append(what)
         if self.strict:
             raise HostSyncError(f"host read inside the graph-safe decode step: {what}")
 
+    def __enter__(self):
+        for m in self._modes:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+        return False
+
+
+class _FunctionGuard(TorchFunctionMode):
+    def __init__(self, guard):
+        super().__init__()
+        self.guard = guard
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
+        flag = self.guard.flag
+        self.guard.calls += 1
         if func in _READS:
-            self._flag(name)
+            flag(name)
         elif func in _DATA_SHAPES:
-            self._flag(f"{name} (a data-dependent shape)")
+            flag(f"{name} (a data-dependent shape)")
+        elif func is torch.isin:
+            flag("isin (on CUDA, beyond a few test ids, a sort through unique, whose size the host reads)")
+        elif func in _FACTORIES and kwargs.get("device") is None:
+            flag(f"torch.{name} without a device (made in host memory)")
         elif func is torch.Tensor.to and _to_host(args, kwargs):
-            self._flag("Tensor.to(cpu) of a device tensor" if args[0].device.type != "cpu" else "Tensor.to('cpu')")
+            flag("Tensor.to(cpu) of a device tensor" if args[0].device.type != "cpu" else "Tensor.to('cpu')")
         elif func is torch.Tensor.repeat_interleave and len(args) > 1 and torch.is_tensor(args[1]):
-            self._flag("repeat_interleave by a tensor (a data-dependent shape)")
+            flag("repeat_interleave by a tensor (a data-dependent shape)")
         elif func is torch.Tensor.__getitem__ and _bool_index(args[1] if len(args) > 1 else None):
-            self._flag("indexing with a boolean tensor (a data-dependent shape)")
+            flag("indexing with a boolean tensor (a data-dependent shape)")
         return func(*args, **kwargs)
+
+
+class _DispatchGuard(TorchDispatchMode):
+    def __init__(self, guard):
+        super().__init__()
+        self.guard = guard
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        what = _ATEN_SYNCS.get(func._schema.name.split("::")[-1])
+        if what is not None:
+            self.guard.flag(f"{func._schema.name}: {what}")
+        return func(*args, **(kwargs or {}))
 
 
 def _to_host(args, kwargs) -> bool:

@@ -76,7 +76,7 @@ def test_static_path_gives_the_per_step_paths_tokens_at_tp2():
     assert [c["got"].responses() for c in results[0]] == [c["got"].responses() for c in results[1]]
 
 
-def _contract_body(rank, world_size):
+def _contract_body(rank, world_size, tp=1):
     from host_sync_guard import HostSyncGuard
 
     from megarl.config import ParallelConfig
@@ -86,9 +86,9 @@ def _contract_body(rank, world_size):
     from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
     from megarl.runtime.distributed import init_distributed, teardown
 
-    init_distributed(1, 1, seed=11)
-    role = Role("actor", _model_cfg(), ParallelConfig(), head="lm", seed=5)
-    seen = {"steps": 0, "storages": None, "reads": []}
+    init_distributed(tp, 1, seed=11)
+    role = Role("actor", _model_cfg(), ParallelConfig(tp=tp), head="lm", seed=5)
+    seen = {"steps": 0, "storages": None, "reads": [], "calls": 0}
     real = engine_mod.decode_step
 
     def guarded(model, ctx, st, params, **kw):
@@ -104,15 +104,19 @@ def _contract_body(rank, world_size):
         with guard:
             real(model, ctx, st, params, **kw)
         seen["reads"] += guard.reads
+        seen["calls"] += guard.calls
         seen["steps"] += 1
 
     engine_mod.decode_step = guarded
     try:
         eng = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, max_batch_size=16, static_decode=True,
-                                    sync_every=4)
+                                    sync_every=4, decode=_letters)
         for params in (SamplingParams(greedy=True, max_new_tokens=10),
                        SamplingParams(n=2, temperature=0.9, top_k=20, top_p=0.95, max_new_tokens=10,
-                                      stop_ids=_stop_ids(role))):
+                                      stop_ids=_stop_ids(role)),
+                       # many stop ids (torch.isin would sort them) and a stop string (rows held)
+                       SamplingParams(n=2, temperature=1.0, max_new_tokens=10, stop_ids=tuple(range(1, 40)),
+                                      stop_strings=("qq",))):
             eng.generate(_prompts(), params, seed=3)
     finally:
         engine_mod.decode_step = real
@@ -121,10 +125,18 @@ def _contract_body(rank, world_size):
     return seen
 
 
-def test_decode_step_reads_nothing_on_the_host_and_keeps_its_storage():
-    seen = run_distributed(_contract_body, 1)[0]
-    assert seen["steps"] > 10
-    assert seen["reads"] == [], f"host reads inside the decode step: {sorted(set(seen['reads']))}"
+def _letters(ids) -> str:
+    """A tokenizer's decode for the tiny vocabulary: one letter per id."""
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_decode_step_reads_nothing_on_the_host_and_keeps_its_storage(tp):
+    """At TP 2 the step's forward also gathers the logits over TP (inside the graph on a GPU)."""
+    for seen in run_distributed(_contract_body, tp, tp):
+        assert seen["steps"] > 10
+        assert seen["calls"] > 100 * seen["steps"], "the guard saw too few torch calls to vouch for the step"
+        assert seen["reads"] == [], f"host reads inside the decode step: {sorted(set(seen['reads']))}"
 
 
 def _workspace_body(rank, world_size):
@@ -207,14 +219,19 @@ def test_guard_catches_each_kind_of_host_read():
     from host_sync_guard import HostSyncError, HostSyncGuard
 
     t = torch.arange(4.0)
+    ids = torch.tensor([1, 2])
     for read in (lambda: t[0].item(), lambda: bool(t[0]), lambda: t.tolist(), lambda: t.cpu(),
-                 lambda: torch.nonzero(t), lambda: t[t > 1], lambda: t.to("cpu"), lambda: int(t[1])):
+                 lambda: torch.nonzero(t), lambda: t[t > 1], lambda: t.to("cpu"), lambda: int(t[1]),
+                 lambda: torch.where(t > 1), lambda: torch.equal(t, t), lambda: torch.isin(ids, ids),
+                 lambda: torch.arange(3), lambda: torch.tensor([1, 2], device=t.device), lambda: torch.unique(t)):
         with pytest.raises(HostSyncError):
             with HostSyncGuard():
                 read()
     with HostSyncGuard():  # device-side work passes
         torch.where(t > 1, t, 0).argmax()
-        t.index_select(0, torch.tensor([1, 2])).scatter_(0, torch.tensor([0]), torch.tensor([5.0]))
+        mask = torch.zeros(8, dtype=torch.bool, device=t.device)
+        t.index_select(0, ids).scatter_(0, ids[:1] - 1, t[:1]).add_(mask[ids].float())
+        torch.arange(3, device=t.device)
 
 
 def test_buckets():
@@ -237,39 +254,89 @@ def test_uniform_table_is_row_uniforms_per_step():
 # ------------------------------------------------------------------ on a GPU
 
 
-def _gpu_roles():
+def _gpu_roles(tp: int = 1, precision: str = "bf16"):
     from megarl.config import ModelConfig, ParallelConfig
     from megarl.roles.role import Role
 
     mc = ModelConfig(num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_kv_heads=4,
                      vocab_size=1000, max_position_embeddings=256, init_std=0.1)
-    return Role("actor", mc, ParallelConfig(), head="lm", precision="bf16", seed=5)
+    return Role("actor", mc, ParallelConfig(tp=tp), head="lm", precision=precision, seed=5)
+
+
+_GPU_CASES = ({"greedy": True, "max_new_tokens": 64, "stop_ids": (7,)},
+              {"n": 2, "temperature": 1.0, "top_p": 0.9, "max_new_tokens": 64, "stop_ids": (7,)},
+              # many stop ids and a stop string: rows are held inside the captured step
+              {"n": 2, "temperature": 1.0, "max_new_tokens": 64, "stop_ids": tuple(range(900, 960)),
+               "stop_strings": ("qq",)})
+
+
+def _graph_runs(role):
+    """Each case's responses with the per-step path, the graph-safe step uncaptured and captured,
+    and a second call of the graphs engine (its graphs kept): {case: {way: (responses, captured)}}."""
+    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 1000, (int(n),), generator=g).tolist() for n in torch.randint(3, 60, (24,))]
+    out = {}
+    for k, case in enumerate(_GPU_CASES):
+        params, runs = SamplingParams(**case), {}
+        for mode, kw in {"eager": dict(static_decode=False), "static": dict(static_decode=True, cuda_graphs=False),
+                         "graphs": dict(static_decode=True, cuda_graphs=True)}.items():
+            eng = MegatronRolloutEngine(role, vocab_size=1000, pad_id=0, max_batch_size=64, decode=_letters, **kw)
+            r = eng.generate(prompts, params, seed=11)
+            runs[mode] = (r.responses(), r.stats.get("cuda_graphs_captured", 0))
+        r = eng.generate(prompts, params, seed=11)
+        runs["again"] = (r.responses(), r.stats["cuda_graphs_captured"])
+        out[k] = runs
+    return out
+
+
+def _check_graph_runs(out, precision):
+    """Graphs on and off run the same kernels on the same shapes: the same tokens, bit for bit.
+    The per-step path attends over fewer slots and groups rows otherwise, so against it greedy
+    tokens are compared in fp32 (TF32 off), where such rounding cannot flip a greedy pick; in
+    bf16 it can."""
+    for k, runs in out.items():
+        assert runs["graphs"][1] >= 1, "no graph was captured"
+        assert runs["graphs"][0] == runs["static"][0], _GPU_CASES[k]
+        assert runs["again"] == (runs["graphs"][0], 0), "the kept graphs were not replayed alike"
+        if _GPU_CASES[k].get("greedy") and precision == "fp32":
+            assert runs["static"][0] == runs["eager"][0], _GPU_CASES[k]
 
 
 @pytest.mark.gpu
 def test_cuda_graphs_on_and_off_give_the_same_tokens(monkeypatch):
-    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
     from megarl.runtime.distributed import init_distributed, teardown
 
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     init_distributed(1, 1, seed=1)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        role = _gpu_roles()
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(1, 1000, (int(n),), generator=g).tolist() for n in torch.randint(3, 60, (24,))]
-        for params in (SamplingParams(greedy=True, max_new_tokens=64, stop_ids=(7,)),
-                       SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=64, stop_ids=(7,))):
-            runs = {}
-            for mode, kw in {"eager": dict(static_decode=False), "static": dict(static_decode=True, cuda_graphs=False),
-                             "graphs": dict(static_decode=True, cuda_graphs=True)}.items():
-                eng = MegatronRolloutEngine(role, vocab_size=1000, pad_id=0, max_batch_size=64, **kw)
-                runs[mode] = eng.generate(prompts, params, seed=11)
-            assert runs["graphs"].stats["cuda_graphs_captured"] >= 1
-            assert runs["graphs"].responses() == runs["static"].responses()
-            again = eng.generate(prompts, params, seed=11)  # the graphs engine: its graphs are kept
-            assert again.stats["cuda_graphs_captured"] == 0 and again.responses() == runs["graphs"].responses()
-            if params.greedy:
-                assert runs["static"].responses() == runs["eager"].responses()
+        for precision in ("bf16", "fp32"):
+            _check_graph_runs(_graph_runs(_gpu_roles(precision=precision)), precision)
     finally:
         teardown()
+
+
+def _tp_graphs_body(rank, world_size):
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    init_distributed(world_size, 1, seed=1)  # NCCL: the step's TP collectives are captured with it
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        return {precision: _graph_runs(_gpu_roles(tp=world_size, precision=precision)) for precision in ("bf16", "fp32")}
+    finally:
+        teardown()
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_at_tp2_give_the_same_tokens():
+    """The captured step at TP 2 holds the layers' all-reduces and the logits' all-gather."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("TP 2 needs two GPUs")
+    results = run_distributed(_tp_graphs_body, 2, init_process_group=False)
+    for out in results:
+        for precision, runs in out.items():
+            _check_graph_runs(runs, precision)
+    assert results[0] == results[1], "the TP ranks generated different tokens"

@@ -262,6 +262,34 @@ def gpt_model_class():
     return MegarlGPTModel
 
 
+@functools.cache
+def vocab_parallel_embedding_class():
+    """megatron-core's VocabParallelEmbedding with its TP > 1 masking written as masked_fill.
+
+    megatron-core masks the ids outside this rank's shard with `x[mask] = 0`: a boolean index,
+    whose CUDA kernel counts the mask's nonzeros on the host, so no CUDA graph could hold the
+    embedding, and the rollout's decode step runs it inside its graph. The same values and the
+    same reduction."""
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
+    from megatron.core.tensor_parallel.mappings import (reduce_from_tensor_model_parallel_region,
+                                                        reduce_scatter_to_sequence_parallel_region)
+
+    class MegarlVocabParallelEmbedding(VocabParallelEmbedding):
+        def forward(self, input_):
+            if self.tp_group.size() == 1:
+                return super().forward(input_)
+            outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            ids = (input_ - self.vocab_start_index).masked_fill_(outside, 0)
+            out = self.weight[ids] if self.deterministic_mode else F.embedding(ids, self.weight)
+            out = out.masked_fill_(outside[..., None], 0.0)
+            if self.reduce_scatter_embeddings:  # [b, s, h] -> [s, b, h], as megatron-core
+                return reduce_scatter_to_sequence_parallel_region(out.transpose(0, 1).contiguous(),
+                                                                  group=self.tp_group)
+            return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+
+    return MegarlVocabParallelEmbedding
+
+
 def build_model(mc: ModelConfig, pc: ParallelConfig, *, head: str = "lm", precision: str = "fp32",
                 fp8: FP8Config | None = None, seed: int = 1234):
     """Build this rank's stage of the model and initialise it layout-invariantly.
@@ -292,6 +320,8 @@ def build_model(mc: ModelConfig, pc: ParallelConfig, *, head: str = "lm", precis
     )
     if head == "scalar" and model.post_process:
         model.output_layer = ScalarHead(mc.hidden_size, pc.sequence_parallel, config.params_dtype)
+    if model.pre_process and pc.tp > 1:  # the same module and weights, graph-capturable masking
+        model.embedding.word_embeddings.__class__ = vocab_parallel_embedding_class()
     model.megarl_head = head
     if fp8_map.enabled(fp8):
         model.fp8_rollout = fp8.rollout

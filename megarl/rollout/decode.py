@@ -103,12 +103,14 @@ class DecodeState:
 
 
 def decode_step(model, ctx, st: DecodeState, params: SamplingParams, *, vocab_size: int, pad_id: int,
-                stop_ids: torch.Tensor, hold_ids: torch.Tensor | None = None) -> None:
+                stop_mask: torch.Tensor, hold_mask: torch.Tensor | None = None) -> None:
     """One token for every row of `st`, in place, with no host read: the model's forward at the
     rows' slots (ctx.slots is st.positions' column), the draw (or the row's next forced token),
     the outputs at each row's response index, stop detection, holds, the next tokens and
-    positions. stop_ids: [K] long on the model's device; hold_ids: the tokens after which a row
-    waits for the host (None: none)."""
+    positions. stop_mask: [vocab_size] bool on the model's device, True at the stop ids;
+    hold_mask: likewise at the tokens after which a row waits for the host (None: none).
+    Masks, not torch.isin: looking ids up is a gather, where isin of more than a few ids sorts
+    through torch.unique, whose output size the host must read (no graph could hold it)."""
     logits = model(st.tokens, st.positions, st.mask, inference_context=ctx, runtime_gather_output=True)
     x = logits[:, -1, :vocab_size]  # [B, V]: padded columns never sampled
     filtered = filter_logits(x, params)
@@ -125,11 +127,11 @@ def decode_step(model, ctx, st: DecodeState, params: SamplingParams, *, vocab_si
         _put(st.out_lp, col, torch.where(forced, 0.0, lps.float()), live)
     _put(st.observed, col, forced, live)
     st.resp_len.add_(live)
-    hit = torch.isin(ids, stop_ids) & live & ~forced  # an observation never ends a row
+    hit = stop_mask[ids] & live & ~forced  # an observation never ends a row
     st.stopped.logical_or_(hit)
     st.done.logical_or_(hit | (st.resp_len >= T))
-    if hold_ids is not None:
-        st.held.logical_or_(torch.isin(ids, hold_ids) & live & ~forced & ~hit)
+    if hold_mask is not None:
+        st.held.logical_or_(hold_mask[ids] & live & ~forced & ~hit)
     st.tokens.copy_(torch.where(st.done, pad_id, torch.where(live, ids, st.tokens[:, 0]))[:, None])
     st.positions.add_(live[:, None])
     st.refresh_mask()
@@ -153,7 +155,7 @@ class DecodeWorkspace:
         self.rows = self.seq = 0  # the cache's capacity
         self.states: dict = {}  # (rows, seq, steps) -> DecodeState
         self.graphs: dict = {}  # (rows, seq, steps, sampling) -> GraphedStep
-        self.constants: dict = {}  # key -> device tensors a graph reads (stop ids)
+        self.constants: dict = {}  # key -> device tensors a graph reads (stop and hold id masks)
         self.pool = None
         self.graph_bytes = 0  # the allocator's growth over the captures (CUDA)
 
@@ -175,9 +177,13 @@ class DecodeWorkspace:
             self.states[key] = DecodeState.empty(rows, self.seq, steps, device)
         return self.states[key]
 
-    def constant(self, key, values: tuple, device) -> torch.Tensor:
+    def id_mask(self, key, ids: tuple, vocab_size: int, device) -> torch.Tensor:
+        """[vocab_size] bool on the device, True at `ids` (an id outside the vocabulary is never
+        drawn, so it marks nothing): made once per key and kept (a graph reads it)."""
         if key not in self.constants:
-            self.constants[key] = torch.tensor(values, dtype=torch.long, device=device)
+            mask = torch.zeros(vocab_size, dtype=torch.bool)
+            mask[[i for i in ids if 0 <= i < vocab_size]] = True
+            self.constants[key] = mask.to(device)
         return self.constants[key]
 
     def graph(self, key, run) -> tuple["GraphedStep", int]:

@@ -126,7 +126,7 @@ class MegatronRolloutEngine(RolloutEngine):
             path below. None: on a CUDA device. Its KV cache, states and graphs live in
             `self.workspace` across calls (released with `release()`, which the actor's offload
             calls). cuda_graphs: on a CUDA device, each bucket's step is captured once and replayed
-            in every later call of the same shape."""
+            in every later call of the same shape (not where generation runs FP8 GEMMs)."""
         self.chunks = _model_chunks(role)
         self.model = self.chunks[0]
         self.gpt = unwrap(self.model)
@@ -413,17 +413,20 @@ class MegatronRolloutEngine(RolloutEngine):
         st.rows = active.clone()
         st.refresh_mask()
         stops = tuple(sorted(set(params.stop_ids)))
-        stop_ids = ws.constant(("stop_ids", stops), stops, dev)
+        stop_mask = ws.id_mask(("stop", stops), stops, self.vocab_size, dev)
         holds, ids = self._hold_ids(params)
-        hold_ids = ws.constant(("hold_ids", holds), ids, dev) if holds is not None else None
+        hold_mask = ws.id_mask(("hold", holds), ids, self.vocab_size, dev) if holds is not None else None
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p, params.logprobs, stops, holds)
         sizes = bucket_sizes(st.size)
-        use_graphs = self.cuda_graphs and dev.type == "cuda"
+        # FP8 GEMMs in generation (train.fp8.rollout: fp8): TE's autocast keeps its scaling state
+        # outside the step, so those steps run the same graph-safe step uncaptured
+        fp8_gemms = self.config.fp8 is not None and getattr(self.gpt, "fp8_rollout", "bf16") != "bf16"
+        use_graphs = self.cuda_graphs and dev.type == "cuda" and not fp8_gemms
         captured = 0
 
         def run(state):
             decode_step(self.model, ctx, state, params, vocab_size=self.vocab_size, pad_id=self.pad_id,
-                        stop_ids=stop_ids, hold_ids=hold_ids)
+                        stop_mask=stop_mask, hold_mask=hold_mask)
 
         ctx.slots = st.positions[:, 0]
         taken = 1  # decode steps since the prefill (a row without holds has taken as many tokens)
@@ -586,7 +589,7 @@ class MegatronRolloutEngine(RolloutEngine):
         """Last-position logits [b, 1|s, V_pad] (full vocabulary on every TP rank) -> ids, log-probs [b]."""
         x = logits[:, -1, : self.vocab_size]  # [b, V]: padded columns dropped, never sampled
         filtered = filter_logits(x, params)
-        uniforms = None if params.greedy else row_uniforms(seed, sample_ids, step)
+        uniforms = None if params.greedy else row_uniforms(seed, sample_ids, step).to(x.device)
         ids, lps = sample_tokens(filtered, params, uniforms, with_logprobs=params.logprobs)
         return ids, (lps if lps is not None else torch.zeros(ids.shape, dtype=torch.float32, device=ids.device))
 

@@ -101,7 +101,8 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def sample_tokens(filtered: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None,
                   with_logprobs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token ids [N] and their log-probs [N] fp32 (or None) from filtered logits [N, V].
+    """Token ids [N] and their log-probs [N] fp32 (or None) from filtered logits [N, V]; the
+    uniforms [N] float64 are on the logits' device.
 
     Greedy: argmax (lowest id on ties, like torch.argmax). Otherwise inverse CDF in id order:
     the first id whose cumulative probability exceeds u * total, u the row's uniform [N].
@@ -147,7 +148,7 @@ def _inverse_cdf(e: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor,
         parts.append(e[:, full * Bk:].sum(-1, keepdim=True))
     block_cdf = torch.cumsum(torch.cat(parts, dim=1).double(), dim=1)  # [N, nb]
     total = block_cdf[:, -1]
-    target = uniforms.to(e.device) * total  # [N] < total: u <= 1 - 2^-40
+    target = uniforms * total  # [N] < total: u <= 1 - 2^-40 (uniforms on e's device)
     block = torch.searchsorted(block_cdf, target[:, None], right=True).squeeze(-1).clamp_(max=block_cdf.shape[1] - 1)
     rows = torch.arange(N, device=e.device)
     before = torch.where(block > 0, block_cdf[rows, (block - 1).clamp(min=0)], torch.zeros_like(total))
