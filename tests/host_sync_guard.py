@@ -6,14 +6,15 @@ and cannot be captured in a CUDA graph; on a CPU they are silent, so the contrac
 step under this guard. Two layers, because a CPU run hides different things from each:
 - Python calls (TorchFunctionMode): `.item()`, `.tolist()`, `.numpy()`, `bool(t)` / `int(t)` /
   `float(t)`, a copy to the host (`.cpu()`, `.to("cpu")`), data-dependent shapes (`nonzero`,
-  `masked_select`, `unique`, indexing with a boolean tensor, `repeat_interleave` by a tensor),
-  `isin` (on CUDA, beyond a few test ids it sorts through `unique`, whose size the host reads),
-  and a tensor made without a device (a factory call such as `torch.arange(n)`): on a GPU it
-  lands in host memory, and using it copies it to the device.
+  `masked_select`, `unique`, reading or writing through a boolean index, `repeat_interleave`
+  by a tensor), `isin` (on CUDA, beyond a few test ids it sorts through `unique`, whose size
+  the host reads), and a tensor made without a device (a factory call such as
+  `torch.arange(n)`): on a GPU it lands in host memory, and using it copies it to the device.
 - aten ops (TorchDispatchMode), which also sees what composite functions and megatron-core call
   underneath: `_local_scalar_dense` (every scalar read), `nonzero`, `masked_select`, the
-  `unique` family, `equal`, `is_nonzero`, and `lift_fresh` (a tensor made from Python data:
-  host memory, copied to the device).
+  `unique` family, `equal`, `is_nonzero`, `bincount`, `histc`, `repeat_interleave`, indexing
+  and index_put with a boolean mask, and `lift_fresh` (a tensor made from Python data: host
+  memory, copied to the device).
 """
 import torch
 from torch.overrides import TorchFunctionMode
@@ -29,6 +30,8 @@ _FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, to
 _ATEN_SYNCS = {"_local_scalar_dense": "a scalar read (item, bool, int, float)", "nonzero": "nonzero",
                "masked_select": "masked_select", "_unique": "unique", "_unique2": "unique", "unique_dim": "unique",
                "unique_consecutive": "unique", "equal": "torch.equal", "is_nonzero": "is_nonzero",
+               "bincount": "bincount (its size read on CUDA)", "histc": "histc (a host read on CUDA)",
+               "repeat_interleave": "repeat_interleave (a data-dependent shape)",
                "lift_fresh": "a tensor made from Python data (a host-to-device copy)"}
 
 
@@ -85,8 +88,8 @@ class _FunctionGuard(TorchFunctionMode):
             flag("Tensor.to(cpu) of a device tensor" if args[0].device.type != "cpu" else "Tensor.to('cpu')")
         elif func is torch.Tensor.repeat_interleave and len(args) > 1 and torch.is_tensor(args[1]):
             flag("repeat_interleave by a tensor (a data-dependent shape)")
-        elif func is torch.Tensor.__getitem__ and _bool_index(args[1] if len(args) > 1 else None):
-            flag("indexing with a boolean tensor (a data-dependent shape)")
+        elif func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and _bool_index(args[1] if len(args) > 1 else None):
+            flag("indexing with a boolean tensor (its nonzeros counted on the host)")
         return func(*args, **kwargs)
 
 
@@ -96,7 +99,11 @@ class _DispatchGuard(TorchDispatchMode):
         self.guard = guard
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        what = _ATEN_SYNCS.get(func._schema.name.split("::")[-1])
+        op = func._schema.name.split("::")[-1]
+        what = _ATEN_SYNCS.get(op)
+        if what is None and op in ("index", "index_put", "index_put_", "_index_put_impl_") and len(args) > 1 \
+                and _bool_index(tuple(args[1])):
+            what = "indexing with a boolean tensor (its nonzeros counted on the host)"
         if what is not None:
             self.guard.flag(f"{func._schema.name}: {what}")
         return func(*args, **(kwargs or {}))

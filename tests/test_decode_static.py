@@ -215,6 +215,68 @@ def test_workspace_is_kept_across_calls_and_released_by_the_offload():
     assert out["after_onload"]
 
 
+def _moe_body(rank, world_size):
+    from host_sync_guard import HostSyncGuard
+
+    from megarl.config import ModelConfig, MoEConfig, ParallelConfig
+    from megarl.roles.role import Role
+    from megarl.rollout import engine as engine_mod
+    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams, graph_blocker
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    init_distributed(1, 1, seed=11)
+    mc = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_kv_heads=2,
+                     vocab_size=VOCAB, max_position_embeddings=48, init_std=0.1,
+                     moe=MoEConfig(num_experts=4, topk=2, expert_hidden=32))
+    role = Role("actor", mc, ParallelConfig(), head="lm", seed=5)
+    out = {"blocker": graph_blocker(role.model.config, role.model), "same": [], "reads": []}
+    for params in (SamplingParams(greedy=True, max_new_tokens=10), SamplingParams(n=2, max_new_tokens=10)):
+        ref = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, static_decode=False).generate(
+            _prompts(), params, seed=3)
+        got = MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, static_decode=True, sync_every=3).generate(
+            _prompts(), params, seed=3)
+        out["same"].append(ref.responses() == got.responses() and bool(got.stats.get("static_decode")))
+    real = engine_mod.decode_step
+
+    def guarded(*args, **kw):
+        guard = HostSyncGuard(strict=False)
+        with guard:
+            real(*args, **kw)
+        out["reads"] += guard.reads
+
+    engine_mod.decode_step = guarded
+    try:
+        MegatronRolloutEngine(role, vocab_size=VOCAB, pad_id=PAD, static_decode=True).generate(
+            _prompts()[:4], SamplingParams(greedy=True, max_new_tokens=4), seed=3)
+    finally:
+        engine_mod.decode_step = real
+    teardown()
+    return out
+
+
+def test_moe_takes_the_graph_safe_step_uncaptured():
+    """A MoE model decodes through the graph-safe step with the per-step path's tokens, but is not
+    captured: megatron-core's token dispatch reads the host in every forward (the guard sees it;
+    should that change, graph_blocker can let MoE graphs in)."""
+    out = run_distributed(_moe_body, 1)[0]
+    assert out["same"] == [True, True]
+    assert out["blocker"] and "MoE" in out["blocker"]
+    assert any("tolist" in r or "masked_select" in r for r in out["reads"]), out["reads"]
+
+
+def test_graph_blocker_names_models_a_graph_cannot_hold():
+    from types import SimpleNamespace
+
+    from megarl.rollout.engine import graph_blocker
+
+    dense = SimpleNamespace(num_moe_experts=None, fp8=None)
+    assert graph_blocker(dense, SimpleNamespace()) is None
+    assert "MoE" in graph_blocker(SimpleNamespace(num_moe_experts=8, fp8=None), SimpleNamespace())
+    fp8 = SimpleNamespace(num_moe_experts=None, fp8="e4m3")
+    assert graph_blocker(fp8, SimpleNamespace(fp8_rollout="bf16")) is None  # generation in BF16 GEMMs
+    assert "FP8" in graph_blocker(fp8, SimpleNamespace(fp8_rollout="fp8"))
+
+
 def test_guard_catches_each_kind_of_host_read():
     from host_sync_guard import HostSyncError, HostSyncGuard
 
@@ -223,7 +285,9 @@ def test_guard_catches_each_kind_of_host_read():
     for read in (lambda: t[0].item(), lambda: bool(t[0]), lambda: t.tolist(), lambda: t.cpu(),
                  lambda: torch.nonzero(t), lambda: t[t > 1], lambda: t.to("cpu"), lambda: int(t[1]),
                  lambda: torch.where(t > 1), lambda: torch.equal(t, t), lambda: torch.isin(ids, ids),
-                 lambda: torch.arange(3), lambda: torch.tensor([1, 2], device=t.device), lambda: torch.unique(t)):
+                 lambda: torch.arange(3), lambda: torch.tensor([1, 2], device=t.device), lambda: torch.unique(t),
+                 lambda: t.clone().__setitem__(t > 1, 0.0), lambda: t.clone().index_put_((t > 1,), t[:1]),
+                 lambda: torch.bincount(ids)):
         with pytest.raises(HostSyncError):
             with HostSyncGuard():
                 read()

@@ -126,7 +126,7 @@ class MegatronRolloutEngine(RolloutEngine):
             path below. None: on a CUDA device. Its KV cache, states and graphs live in
             `self.workspace` across calls (released with `release()`, which the actor's offload
             calls). cuda_graphs: on a CUDA device, each bucket's step is captured once and replayed
-            in every later call of the same shape (not where generation runs FP8 GEMMs)."""
+            in every later call of the same shape (not where `graph_blocker` names a reason)."""
         self.chunks = _model_chunks(role)
         self.model = self.chunks[0]
         self.gpt = unwrap(self.model)
@@ -418,10 +418,10 @@ class MegatronRolloutEngine(RolloutEngine):
         hold_mask = ws.id_mask(("hold", holds), ids, self.vocab_size, dev) if holds is not None else None
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p, params.logprobs, stops, holds)
         sizes = bucket_sizes(st.size)
-        # FP8 GEMMs in generation (train.fp8.rollout: fp8): TE's autocast keeps its scaling state
-        # outside the step, so those steps run the same graph-safe step uncaptured
-        fp8_gemms = self.config.fp8 is not None and getattr(self.gpt, "fp8_rollout", "bf16") != "bf16"
-        use_graphs = self.cuda_graphs and dev.type == "cuda" and not fp8_gemms
+        blocker = graph_blocker(self.config, self.gpt)
+        use_graphs = self.cuda_graphs and dev.type == "cuda" and blocker is None
+        if self.cuda_graphs and dev.type == "cuda" and blocker is not None:
+            stats["cuda_graphs_off"] = blocker
         captured = 0
 
         def run(state):
@@ -722,6 +722,20 @@ class _RowTools:
     def rows(self, resp_len) -> dict:
         return {"observed": [self.observed[b, : int(n)].clone() for b, n in enumerate(resp_len)],
                 "calls": self.calls, "errors": self.errors, "timeouts": self.timeouts, "hit_limit": self.hit_limit}
+
+
+def graph_blocker(config, gpt) -> str | None:
+    """Why the graph-safe decode step of this model cannot be captured as a CUDA graph (None: it
+    can); the step then runs uncaptured, with the same results.
+    - MoE: megatron-core's token dispatchers size their permutations on the host (`tolist`,
+      `masked_select`) in every forward.
+    - FP8 GEMMs in generation (train.fp8.rollout: fp8): Transformer Engine's autocast keeps its
+      scaling state outside the step."""
+    if config.num_moe_experts:
+        return "MoE: megatron-core's token dispatch reads expert counts on the host"
+    if config.fp8 is not None and getattr(gpt, "fp8_rollout", "bf16") != "bf16":
+        return "FP8 rollout GEMMs: Transformer Engine's scaling state lives outside the step"
+    return None
 
 
 def _expert_parallel_group(config):
