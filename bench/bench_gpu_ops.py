@@ -4,6 +4,7 @@
                                   [--json out.json] [--rl-step [--quick] [--workload realistic]]
     python bench/bench_gpu_ops.py --head [--tokens 16384] [--vocab 152064] [--hidden 4096]
     python bench/bench_gpu_ops.py --decode [--shape 1b|8b] [--rows 8,64,256] [--new-tokens 256]
+    torchrun --nproc-per-node 2 bench/bench_gpu_ops.py --decode --shape 8b     # TP 2
 
 Log-probs/entropy, bf16 logits [tokens, vocab]: the forward must read the logits once, the
 backward read them once more and write the gradient once, so the floors are
@@ -39,7 +40,10 @@ call. Reported per way: generated tokens per second (generate call, prefill incl
 step's HBM floor: one read of the weights (all GEMM parameters and the LM head, bf16) plus the KV
 cache the step attends to (2 x layers x rows x KV heads x head dim x 2 bytes per cached token, at
 the mean cached length), over the device's peak bandwidth. --shape 1b is the --rl-step model;
-8b is Llama-3.1-8B's shape (hidden 4096, 32 layers, ffn 14336, 32/8 heads, vocab 128256), TP 1.
+8b is Llama-3.1-8B's shape (hidden 4096, 32 layers, ffn 14336, 32/8 heads, vocab 128256). Under
+torchrun the model is split over the processes by tensor parallelism (TP = the world size, one
+GPU each, the captured step holding the TP collectives); the floor is then one GPU's: its shard
+of the weights and of the KV heads.
 
 --head: the fused output layer + log-prob (megarl.ops.linear_logprobs_and_entropy; "fused-lp"
 without entropy) against output layer -> [T, V] logits -> logprobs_and_entropy ("unfused"), bf16
@@ -152,7 +156,9 @@ def main():
     if args.decode:
         if peaks is None and args.hbm_tbps is None:
             raise SystemExit(f"{name} is not in PEAKS (bench/bench_gpu_ops.py): pass --hbm-tbps")
-        return write_json(args.json, name, bench_decode(args, (args.hbm_tbps or peaks[0]) * 1e12))
+        rows = bench_decode(args, (args.hbm_tbps or peaks[0]) * 1e12)
+        lead = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        return write_json(args.json if lead else None, name, rows)
     if args.rl_step or args.head:
         if peaks is None:
             raise SystemExit(f"{name} is not in PEAKS (bench/bench_gpu_ops.py): its BF16 peak is unknown")
@@ -296,26 +302,30 @@ def bench_decode(args, bw):
 
     prompt, T = 128, args.new_tokens
     shape = DECODE_SHAPES[args.shape]
-    init_distributed(1, 1, seed=1)
+    tp = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun: tensor parallel over its processes
+    init_distributed(tp, 1, seed=1)
+    lead = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    say = print if lead else (lambda *a, **k: None)
     mc = ModelConfig(**shape, max_position_embeddings=prompt + T, init_std=0.02)
-    role = Role("actor", mc, ParallelConfig(), head="lm", precision="bf16", seed=1)
-    # what a decode step reads whole: every linear and the LM head (the tied embedding, when tied);
-    # of the input embedding only the rows looked up
+    role = Role("actor", mc, ParallelConfig(tp=tp), head="lm", precision="bf16", seed=1)
+    # what a decode step reads whole on this GPU: its shard of every linear and of the LM head (the
+    # tied embedding, when tied); of the input embedding only the rows looked up
     weights = sum(p.numel() for n, p in role.model.named_parameters() if "embedding" not in n)
-    weights += mc.vocab_size * mc.hidden_size if mc.tie_embeddings else 0
+    weights += mc.vocab_size * mc.hidden_size // tp if mc.tie_embeddings else 0
     hd = mc.hidden_size // mc.num_attention_heads
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
-          f"{args.shape} shape ({weights / 1e9:.2f}B GEMM parameters), bf16, prompts {prompt} + {T} new tokens, "
-          f"HBM peak {bw / 1e12:.2f} TB/s; command: python bench/bench_gpu_ops.py --decode --shape {args.shape} "
-          f"--rows {args.rows} --new-tokens {T}\n")
-    print("| rows | decode | tokens/s | decode step | HBM floor | x floor | CUDA graphs (captured in the call) "
-          "| host syncs |")
-    print("|---|---|---|---|---|---|---|---|")
+    launch = f"torchrun --nproc-per-node {tp} " if tp > 1 else "python "
+    say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
+        f"{args.shape} shape, TP {tp} ({weights / 1e9:.2f}B GEMM parameters per GPU), bf16, prompts {prompt} + {T} "
+        f"new tokens, HBM peak {bw / 1e12:.2f} TB/s; command: {launch}bench/bench_gpu_ops.py --decode "
+        f"--shape {args.shape} --rows {args.rows} --new-tokens {T}\n")
+    say("| rows | decode | tokens/s | decode step | HBM floor | x floor | CUDA graphs (captured in the call) "
+        "| host syncs |")
+    say("|---|---|---|---|---|---|---|---|")
     out = []
     g = torch.Generator().manual_seed(0)
     for rows in (int(r) for r in args.rows.split(",")):
         prompts = torch.randint(1, mc.vocab_size, (rows, prompt), generator=g).tolist()
-        kv_bytes = 2 * mc.num_layers * rows * mc.num_kv_heads * hd * 2 * (prompt + T / 2)
+        kv_bytes = 2 * mc.num_layers * rows * (mc.num_kv_heads // tp) * hd * 2 * (prompt + T / 2)
         floor_ms = (2 * weights + kv_bytes) / bw * 1e3
         for way, kw in (("eager", dict(static_decode=False)), ("static", dict(static_decode=True, cuda_graphs=False)),
                         ("graphs", dict(static_decode=True, cuda_graphs=True))):
@@ -329,13 +339,14 @@ def bench_decode(args, bw):
             seconds = time.perf_counter() - t0
             tokens = int(r.response_lens.sum())
             step_ms = r.stats["decode_s"] / max(T - 1, 1) * 1e3
-            row = {"op": "decode", "shape": args.shape, "rows": rows, "way": way, "tokens_per_s": tokens / seconds,
+            row = {"op": "decode", "shape": args.shape, "tp": tp, "rows": rows, "way": way,
+                   "tokens_per_s": tokens / seconds,
                    "decode_step_ms": step_ms, "hbm_floor_ms": floor_ms, "x_floor": step_ms / floor_ms,
                    "cuda_graphs": r.stats.get("cuda_graphs", 0), "captured": r.stats.get("cuda_graphs_captured", 0),
                    "host_syncs": r.stats.get("host_syncs", T - 1)}
             out.append(row)
-            print(f"| {rows} | {way} | {row['tokens_per_s']:,.0f} | {step_ms:.2f} ms | {floor_ms:.2f} ms | "
-                  f"{row['x_floor']:.1f}x | {row['cuda_graphs']} ({row['captured']}) | {row['host_syncs']} |")
+            say(f"| {rows} | {way} | {row['tokens_per_s']:,.0f} | {step_ms:.2f} ms | {floor_ms:.2f} ms | "
+                f"{row['x_floor']:.1f}x | {row['cuda_graphs']} ({row['captured']}) | {row['host_syncs']} |")
     return out
 
 
