@@ -11,6 +11,7 @@ The graphs themselves (capture, replay, graphs on vs off) are `gpu`-marked below
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_helpers import run_distributed
 from test_rollout import PAD, VOCAB, _model_cfg, _prompts  # the rollout tests' tiny model and mixed-length prompts
@@ -275,6 +276,114 @@ def test_graph_blocker_names_models_a_graph_cannot_hold():
     fp8 = SimpleNamespace(num_moe_experts=None, fp8="e4m3")
     assert graph_blocker(fp8, SimpleNamespace(fp8_rollout="bf16")) is None  # generation in BF16 GEMMs
     assert "FP8" in graph_blocker(fp8, SimpleNamespace(fp8_rollout="fp8"))
+
+
+class _ReadsRecorder(TorchDispatchMode):
+    """The memory a step reads that existed before it (weights, KV cache, states, constants), as
+    (storage, address, shape, strides, dtype) of every op's tensor inputs that no op of the step
+    made; 0-dim tensors (scalars, passed by value) left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.made = set(), set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def tensors(tree):
+            return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+        for t in tensors((args, kwargs)):
+            ptr = t.untyped_storage().data_ptr()
+            if t.dim() and ptr not in self.made:
+                self.reads.add((ptr, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype))
+        out = func(*args, **(kwargs or {}))
+        seen = {r[0] for r in self.reads}
+        self.made |= {t.untyped_storage().data_ptr() for t in tensors(out)} - seen
+        return out
+
+
+class _RecordedGraph:
+    """Stands in for a captured CUDA graph on CPU: "capture" runs the two warm-up steps, the second
+    recorded; each replay runs the current call's step and checks that it reads exactly the memory
+    the capture read. That is what a real replay reads (the addresses baked in at capture), so a
+    step that reads anything else there (a buffer made anew, a moved cache, a stale view) would
+    compute on the wrong memory on a GPU."""
+
+    def __init__(self, key, run, log):
+        self.key, self.run, self.log = key, run, log
+        run()
+        self.reads = self._record()
+
+    def _record(self):
+        rec = _ReadsRecorder()
+        with rec:
+            self.run()
+        return rec.reads
+
+    def replay(self):
+        reads = self._record()
+        self.log.append((self.key[0], reads == self.reads))
+
+
+def _replay_body(rank, world_size):
+    import test_rollout_tools as tools_tests
+
+    from megarl.config import ParallelConfig
+    from megarl.data.tokenizer import ByteTokenizer
+    from megarl.roles.role import Role
+    from megarl.rollout.decode import DecodeWorkspace
+    from megarl.rollout.engine import MegatronRolloutEngine, SamplingParams
+    from megarl.runtime.distributed import init_distributed, teardown
+
+    init_distributed(1, 1, seed=11)
+    tok = ByteTokenizer()
+    role = Role("actor", tools_tests._model_cfg(), ParallelConfig(), head="lm", seed=5)
+    hook = tools_tests._bias_hook(role)  # arithmetic-looking text: tool calls and held rows
+    log, captures = [], []
+
+    def graph(ws, key, run):  # DecodeWorkspace.graph with the recorder in place of a capture
+        if key in ws.graphs:
+            ws.graphs[key].run = run  # this call's step: what a replay of the graph computes
+            return ws.graphs[key], 0
+        captures.append(key[0])
+        ws.graphs[key] = _RecordedGraph(key, run, log)
+        return ws.graphs[key], 2
+
+    DecodeWorkspace.graph = graph
+    MegatronRolloutEngine._can_capture = lambda self: True
+    prompts = tools_tests._prompts()
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=24, stop_ids=tuple(tok.stop_ids),
+                            stop_strings=("+1",))
+    eng = tools_tests._engine(role, tools_tests._toolbox(max_calls=2), max_batch_size=24, static_decode=True,
+                              sync_every=3)
+    ref = tools_tests._engine(role, tools_tests._toolbox(max_calls=2), max_batch_size=24, static_decode=False)
+    g = torch.Generator().manual_seed(4)
+    out = {"same": []}
+    for call in range(3):
+        got = eng.generate(prompts, params, seed=call)
+        want = ref.generate(prompts, params, seed=call)
+        out["same"].append(got.responses() == want.responses() and torch.equal(got.sampled_mask, want.sampled_mask))
+        with torch.no_grad():  # an optimizer step: the weights change in place
+            for p in role.chunks[0].parameters():
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-2)
+    out["calls"] = int(got.tool_calls.sum())
+    hook.remove()
+    teardown()
+    return {**out, "log": log, "captures": captures}
+
+
+def test_a_replayed_step_reads_the_memory_its_capture_read():
+    """On CPU, with a recorder standing in for CUDA graph capture: over three generate calls with
+    the weights updated in place between them, tool calls, held rows and rows moving into smaller
+    buckets, every replay of a bucket's step reads the very tensors its capture read, and the
+    tokens are the per-step path's."""
+    out = run_distributed(_replay_body, 1)[0]
+    assert out["same"] == [True] * 3
+    assert out["calls"] > 0
+    assert len(set(out["captures"])) >= 2, out["captures"]  # more than one bucket captured
+    assert len(out["captures"]) == len(set(out["captures"])), "a bucket was captured twice"
+    replayed = {size for size, _ in out["log"]}
+    assert replayed == set(out["captures"]), (replayed, out["captures"])  # each bucket replayed
+    assert all(same for _, same in out["log"]), [k for k, same in out["log"] if not same]
 
 
 def test_guard_catches_each_kind_of_host_read():

@@ -419,8 +419,8 @@ class MegatronRolloutEngine(RolloutEngine):
         sampling = (params.greedy, params.temperature, params.top_k, params.top_p, params.logprobs, stops, holds)
         sizes = bucket_sizes(st.size)
         blocker = graph_blocker(self.config, self.gpt)
-        use_graphs = self.cuda_graphs and dev.type == "cuda" and blocker is None
-        if self.cuda_graphs and dev.type == "cuda" and blocker is not None:
+        use_graphs = self.cuda_graphs and self._can_capture() and blocker is None
+        if self.cuda_graphs and self._can_capture() and blocker is not None:
             stats["cuda_graphs_off"] = blocker
         captured = 0
 
@@ -468,6 +468,10 @@ class MegatronRolloutEngine(RolloutEngine):
         stats["static_decode"] = True
         stats["cuda_graphs_captured"] = stats.get("cuda_graphs_captured", 0) + captured
         stats["cuda_graphs"] = len(ws.graphs)
+
+    def _can_capture(self) -> bool:
+        """Whether the device captures CUDA graphs (a CUDA device; tests on CPU stand a recorder in)."""
+        return self.device.type == "cuda"
 
     def _hold_ids(self, params) -> tuple[tuple, tuple] | tuple[None, None]:
         """(the last characters, the token ids after which a row waits for the host): the ids
