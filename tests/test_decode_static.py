@@ -326,6 +326,7 @@ class _RecordedGraph:
 
 def _replay_body(rank, world_size):
     import test_rollout_tools as tools_tests
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from megarl.config import ParallelConfig
     from megarl.data.tokenizer import ByteTokenizer
@@ -365,6 +366,9 @@ def _replay_body(rank, world_size):
         with torch.no_grad():  # an optimizer step: the weights change in place
             for p in role.chunks[0].parameters():
                 p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 1e-2)
+        # training forwards of many lengths: megatron-core's RoPE cache (32 entries) lets go of
+        # the table the rollout's last prefill used, whose memory may then be reused
+        RotaryEmbedding.forward.cache_clear()
     out["calls"] = int(got.tool_calls.sum())
     hook.remove()
     teardown()
@@ -373,9 +377,9 @@ def _replay_body(rank, world_size):
 
 def test_a_replayed_step_reads_the_memory_its_capture_read():
     """On CPU, with a recorder standing in for CUDA graph capture: over three generate calls with
-    the weights updated in place between them, tool calls, held rows and rows moving into smaller
-    buckets, every replay of a bucket's step reads the very tensors its capture read, and the
-    tokens are the per-step path's."""
+    the weights updated in place and megatron-core's RoPE cache emptied between them, tool calls,
+    held rows and rows moving into smaller buckets, every replay of a bucket's step reads the very
+    tensors its capture read, and the tokens are the per-step path's."""
     out = run_distributed(_replay_body, 1)[0]
     assert out["same"] == [True] * 3
     assert out["calls"] > 0

@@ -95,12 +95,17 @@ def slot_context_class():
     """megatron-core's StaticInferenceContext for the graph-safe decode step (rollout/decode.py):
     `slots` ([b] long on the device, or None) is the cache slot each row's one new token takes
     (and its RoPE position); the step's attention mask, passed to the model as usual, covers the
-    whole cache (masked: padding and slots after each row's). Nothing of the step is a host
-    value, so the step has the same shapes and reads at every position."""
+    whole cache (masked: padding and slots after each row's); `freqs`, when set, is the RoPE table
+    the step reads. Nothing of the step is a host value, so the step has the same shapes and
+    reads at every position."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
     class SlotInferenceContext(StaticInferenceContext):
         slots = None
+        # [S, 1, 1, d] RoPE angles the step reads in place of the model's (None: the model's):
+        # megatron-core's are an LRU-cached tensor that training forwards of other lengths evict,
+        # freeing memory a captured graph would still read
+        freqs = None
 
     return SlotInferenceContext
 
@@ -210,6 +215,8 @@ def self_attention_class():
             and no host value (a masked slot weighs exactly 0)."""
             _, b, n, d = query.shape
             slots = ctx.slots
+            if freqs is not None and ctx.freqs is not None:
+                freqs = ctx.freqs
             if freqs is not None:  # [S, 1, 1, d] -> [1, b, 1, d]: each row's own angle
                 f = freqs.index_select(0, slots).transpose(0, 1)
                 query, key = apply_rope(query, f), apply_rope(key, f)

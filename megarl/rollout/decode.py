@@ -155,7 +155,7 @@ class DecodeWorkspace:
         self.rows = self.seq = 0  # the cache's capacity
         self.states: dict = {}  # (rows, seq, steps) -> DecodeState
         self.graphs: dict = {}  # (rows, seq, steps, sampling) -> GraphedStep
-        self.constants: dict = {}  # key -> device tensors a graph reads (stop and hold id masks)
+        self.constants: dict = {}  # key -> device tensors a graph reads (stop and hold id masks, RoPE)
         self.pool = None
         self.graph_bytes = 0  # the allocator's growth over the captures (CUDA)
 
@@ -166,6 +166,18 @@ class DecodeWorkspace:
         """Keep a prefill's freshly allocated cache ({layer: (k, v)} of `rows` x `seq`; release()
         the old one first)."""
         self.cache, self.rows, self.seq = dict(cache), rows, seq
+
+    def rope(self, gpt, device) -> torch.Tensor | None:
+        """The RoPE angles [seq, 1, 1, d] of the kept cache's slots, the workspace's own copy (the
+        model's are an LRU-cached tensor a graph must not read: evicted, its memory is reused);
+        None for a model without RoPE."""
+        emb = getattr(gpt, "rotary_pos_emb", None)
+        if emb is None:
+            return None
+        key = ("rope", self.seq)
+        if key not in self.constants:
+            self.constants[key] = emb.get_emb(self.seq).to(device)
+        return self.constants[key]
 
     def views(self) -> dict:
         """The cache as a context's key_value_memory_dict: new views of the same memory."""

@@ -429,6 +429,7 @@ class MegatronRolloutEngine(RolloutEngine):
                         stop_mask=stop_mask, hold_mask=hold_mask)
 
         ctx.slots = st.positions[:, 0]
+        ctx.freqs = ws.rope(self.gpt, dev)
         taken = 1  # decode steps since the prefill (a row without holds has taken as many tokens)
         try:
             while True:
@@ -463,7 +464,7 @@ class MegatronRolloutEngine(RolloutEngine):
                     ctx.slots = st.positions[:, 0]
                     stats["compactions"] += 1
         finally:
-            ctx.slots = None
+            ctx.slots = ctx.freqs = None
         _write_back(st, outputs)
         stats["static_decode"] = True
         stats["cuda_graphs_captured"] = stats.get("cuda_graphs_captured", 0) + captured
