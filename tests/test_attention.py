@@ -95,3 +95,25 @@ def test_training_forward_and_gradients_equal_megatron_core_attention(precision,
             scale = ref_grads[k].abs().max().clamp(min=1e-6)
             err = (grads[k] - ref_grads[k]).abs().max() / scale
             assert err < (1e-4 if precision == "fp32" else 5e-2), f"{name}: grad {k} off by {err:.2e} (relative)"
+
+
+@pytest.mark.parametrize("heads,groups", [(8, 8), (8, 2), (6, 1), (16, 4)])
+def test_decode_attention_folds_grouped_heads_exactly(heads, groups):
+    """One new token per row over a masked cache, grouped heads folded into the query axis (so
+    CUDA keeps SDPA's fused masked kernels), equals float64 attention with the keys repeated per
+    head as GQA defines it."""
+    from megarl.models.attention import decode_sdpa
+
+    g = torch.Generator().manual_seed(heads * 10 + groups)
+    b, S, d = 5, 37, 16
+    q = torch.randn(b, heads, 1, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, groups, S, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, groups, S, d, generator=g, dtype=torch.float64)
+    mask = torch.rand(b, 1, 1, S, generator=g) < 0.4
+    mask[..., 0] = False  # every row attends somewhere
+    rep = heads // groups  # query head h reads KV head h // rep (megatron's group-major heads)
+    scores = (q @ k.repeat_interleave(rep, 1).transpose(-1, -2) * 0.25).masked_fill(mask, float("-inf"))
+    want = torch.softmax(scores, -1) @ v.repeat_interleave(rep, 1)
+    torch.testing.assert_close(decode_sdpa(q, k, v, mask, scale=0.25), want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(decode_sdpa(q.float(), k.float(), v.float(), mask, scale=0.25), want.float(),
+                               rtol=0, atol=2e-6)

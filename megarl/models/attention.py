@@ -90,6 +90,26 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *, caus
     return F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
+def decode_sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *, scale: float) -> Tensor:
+    """Attention of one new token per row: [b, n, 1, d] queries over [b, g, S, d] keys/values,
+    mask broadcastable to [b, 1, 1, S] (True = masked) -> [b, n, 1, d].
+
+    Grouped heads are folded into the query axis ([b, g, n/g, d]: a group's n/g heads read the
+    same keys at the same position), so every head count takes SDPA's masked fused kernels. With
+    `enable_gqa` a mask sends SDPA to its math kernel on CUDA, which first copies the whole KV
+    cache n/g times over: per decode step, several times the bytes of the cache itself."""
+    b, n, _, d = query.shape
+    g = key.shape[1]
+    if g == n:
+        return sdpa(query, key, value, mask, causal=False, scale=scale)
+    q = query.reshape(b, g, n // g, d)  # megatron's heads are group-major, as enable_gqa reads them
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, key, value, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=~mask, scale=scale)
+    return out.reshape(b, n, 1, d)
+
+
 @functools.cache
 def slot_context_class():
     """megatron-core's StaticInferenceContext for the graph-safe decode step (rollout/decode.py):
@@ -205,7 +225,10 @@ def self_attention_class():
             if mask is None and sq > 1 and start > 0:  # chunked prefill: causal, bottom-right aligned
                 mask = torch.ones(sq, end, dtype=torch.bool, device=query.device).triu_(start + 1)
             query, scale = query.permute(1, 2, 0, 3), self._softmax_scale(d)  # [b, n, sq, d]
-            out = sdpa(query, keys, values, mask, causal=start == 0 and sq > 1, scale=scale)
+            if sq == 1:  # a decode step
+                out = decode_sdpa(query, keys, values, mask, scale=scale)
+            else:
+                out = sdpa(query, keys, values, mask, causal=start == 0 and sq > 1, scale=scale)
             return out.permute(2, 0, 1, 3).reshape(sq, b, n * d)
 
         def _slot_attention(self, query, key, value, mask, freqs, ctx):
@@ -224,8 +247,8 @@ def self_attention_class():
             rows = torch.arange(b, device=slots.device)
             k_cache[rows, :, slots] = key[0]  # [b, g, d] at (row, :, slot)
             v_cache[rows, :, slots] = value[0]
-            out = sdpa(query.permute(1, 2, 0, 3), k_cache[:b], v_cache[:b], mask, causal=False,
-                       scale=self._softmax_scale(d))  # [b, n, 1, d]
+            out = decode_sdpa(query.permute(1, 2, 0, 3), k_cache[:b], v_cache[:b], mask,
+                              scale=self._softmax_scale(d))  # [b, n, 1, d]
             return out.permute(2, 0, 1, 3).reshape(1, b, n * d)
 
     return MegarlSelfAttention
