@@ -117,3 +117,19 @@ def test_decode_attention_folds_grouped_heads_exactly(heads, groups):
     torch.testing.assert_close(decode_sdpa(q, k, v, mask, scale=0.25), want, rtol=0, atol=1e-12)
     torch.testing.assert_close(decode_sdpa(q.float(), k.float(), v.float(), mask, scale=0.25), want.float(),
                                rtol=0, atol=2e-6)
+
+
+def test_repeated_groups_are_what_enable_gqa_reads():
+    """The masked-GQA form CUDA takes (keys and values repeated per query head) equals SDPA's own
+    grouped heads."""
+    import torch.nn.functional as F
+
+    from megarl.models.attention import repeat_groups
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 8, 11, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, 11, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    keep = ~torch.ones(11, 11, dtype=torch.bool).triu_(1)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, *repeat_groups(k, v, 8), attn_mask=keep), want,
+                               rtol=0, atol=1e-12)

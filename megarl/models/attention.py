@@ -86,8 +86,19 @@ def sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *, caus
     -> [b, n, sq, d]."""
     gqa = query.shape[1] != key.shape[1]
     if mask is not None:
+        if gqa and query.device.type == "cuda":
+            # enable_gqa with a mask takes CUDA's math kernel ([b, n, sq, sk] fp32 scores): keys
+            # and values repeated per query head (one copy) keep the fused masked kernels
+            key, value, gqa = *repeat_groups(key, value, query.shape[1]), False
         return F.scaled_dot_product_attention(query, key, value, attn_mask=~mask, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+
+def repeat_groups(key: Tensor, value: Tensor, heads: int) -> tuple[Tensor, Tensor]:
+    """[b, g, s, d] keys and values -> [b, heads, s, d], KV head j serving query heads
+    j * heads/g .. (j+1) * heads/g - 1 (megatron's group-major heads, as enable_gqa reads them)."""
+    r = heads // key.shape[1]
+    return key.repeat_interleave(r, dim=1), value.repeat_interleave(r, dim=1)
 
 
 def decode_sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *, scale: float) -> Tensor:
