@@ -15,6 +15,8 @@ step under this guard. Two layers, because a CPU run hides different things from
   `unique` family, `equal`, `is_nonzero`, `bincount`, `histc`, `repeat_interleave`, indexing
   and index_put with a boolean mask, and `lift_fresh` (a tensor made from Python data: host
   memory, copied to the device).
+And the torch.cuda calls that wait for the device or move RNG state (`synchronize`,
+`set_rng_state`, ...), which no torch mode sees.
 """
 import torch
 from torch.overrides import TorchFunctionMode
@@ -33,6 +35,12 @@ _ATEN_SYNCS = {"_local_scalar_dense": "a scalar read (item, bool, int, float)", 
                "bincount": "bincount (its size read on CUDA)", "histc": "histc (a host read on CUDA)",
                "repeat_interleave": "repeat_interleave (a data-dependent shape)",
                "lift_fresh": "a tensor made from Python data (a host-to-device copy)"}
+
+
+# torch.cuda calls no graph can hold: they wait for the device or copy state between it and the host
+_CUDA_CALLS = {"synchronize": "waits for the device", "set_rng_state": "a host-to-device copy",
+               "get_rng_state": "a device-to-host copy", "empty_cache": "frees device memory",
+               "manual_seed": "sets the generators' state from the host"}
 
 
 class HostSyncError(AssertionError):
@@ -58,12 +66,23 @@ class HostSyncGuard:
     def __enter__(self):
         for m in self._modes:
             m.__enter__()
+        self._saved = {name: getattr(torch.cuda, name) for name in _CUDA_CALLS}
+        for name in _CUDA_CALLS:
+            setattr(torch.cuda, name, self._cuda_call(name))
         return self
 
     def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(torch.cuda, name, fn)
         for m in reversed(self._modes):
             m.__exit__(*exc)
         return False
+
+    def _cuda_call(self, name):
+        def call(*args, **kwargs):
+            self.flag(f"torch.cuda.{name} ({_CUDA_CALLS[name]})")
+            return self._saved[name](*args, **kwargs)
+        return call
 
 
 class _FunctionGuard(TorchFunctionMode):

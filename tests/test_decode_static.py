@@ -400,7 +400,7 @@ def test_guard_catches_each_kind_of_host_read():
                  lambda: torch.where(t > 1), lambda: torch.equal(t, t), lambda: torch.isin(ids, ids),
                  lambda: torch.arange(3), lambda: torch.tensor([1, 2], device=t.device), lambda: torch.unique(t),
                  lambda: t.clone().__setitem__(t > 1, 0.0), lambda: t.clone().index_put_((t > 1,), t[:1]),
-                 lambda: torch.bincount(ids)):
+                 lambda: torch.bincount(ids), lambda: torch.cuda.synchronize(), lambda: torch.cuda.get_rng_state()):
         with pytest.raises(HostSyncError):
             with HostSyncGuard():
                 read()
