@@ -1,13 +1,15 @@
 """The graph-safe decode step (megarl/rollout/decode.py) and the engine's static path.
 
 Contract, checked on CPU where no CUDA graph exists:
-- the steady-state step runs under tests/host_sync_guard.py (no .item(), .tolist(), .cpu(),
-  bool(tensor), nonzero, boolean indexing ...) and keeps the storage of every input, output and
-  KV-cache tensor from one step to the next (what a captured graph replays against);
+- the steady-state step, at TP 1 and 2, runs under tests/host_sync_guard.py (no host read,
+  data-dependent shape, host-made tensor or device wait, seen as Python calls and as aten ops)
+  and keeps the storage of every input, output and KV-cache tensor from one step to the next;
+- a recorder standing in for capture checks that each replay reads the memory its capture read
+  (what a real replay reads), across calls, weight updates and RoPE-cache evictions;
 - the engine's static path gives the per-step path's tokens: greedy and sampled (same seed),
   with log-probs within fp32 rounding, at TP1 here and TP2 in two processes; whatever
-  sync_every, bucket compaction on or off.
-The graphs themselves (capture, replay, graphs on vs off) are `gpu`-marked below.
+  sync_every, bucket compaction on or off; MoE too (uncaptured: its dispatch reads the host).
+The graphs themselves (capture, replay, graphs on vs off, TP 2) are `gpu`-marked below.
 """
 import pytest
 import torch
