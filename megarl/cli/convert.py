@@ -23,6 +23,7 @@ import shutil
 import yaml
 
 from megarl.config import ConfigError, load_config
+from megarl.config.hf import MODEL_TYPES
 from megarl.utils.atomic import atomic_directory, write_atomic
 
 
@@ -185,17 +186,13 @@ def _tokenizer_export(cfg, tok_dir: str | None) -> tuple[dict, dict, dict | None
     return ids, generation, files
 
 
-ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-        "mistral": "MistralForCausalLM"}
-
-
 def run(args) -> int:
     try:
         if args.direction == "hf-to-megarl":
             path = hf_to_megarl(args.hf, args.out, args.role, overwrite=args.overwrite)
             print(f"wrote {path} (model section: {os.path.join(args.out, CONFIG_NAME)})")
         else:
-            megarl_to_hf(args.checkpoint, args.out, ARCH[args.arch], args.config, args.overrides, args.tokenizer,
+            megarl_to_hf(args.checkpoint, args.out, MODEL_TYPES[args.arch], args.config, args.overrides, args.tokenizer,
                          overwrite=args.overwrite, adapter=args.adapter)
             print(f"wrote {args.out}")
     except (ValueError, FileExistsError, NotADirectoryError) as e:  # hf.py reports unsupported or broken inputs by name

@@ -25,6 +25,8 @@ import sys
 
 EXIT_USAGE = 2
 GPU_TARGETS = ("a100", "b200", "h100", "h200")  # megarl.config.fp8.TARGETS (not imported: --help stays fast)
+# megarl.config.hf.MODEL_TYPES, megarl-to-hf's --arch names (not imported: --help stays fast)
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 
 OVERRIDES_HELP = "dotted overrides section.key=value, e.g. optim.lr=1e-5 parallel.tp=2"
 
@@ -99,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = conv.add_parser("megarl-to-hf", help="a megarl checkpoint -> an HF directory")
     c.add_argument("--checkpoint", required=True, help="megarl checkpoint (a step dir or a root with 'latest')")
     c.add_argument("--out", required=True, help="HF directory to write (atomically)")
-    c.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "mistral"])
+    c.add_argument("--arch", required=True, choices=HF_MODEL_TYPES, help="the Hugging Face model_type to write")
     c.add_argument("--tokenizer", default=None, help="directory whose tokenizer files are copied along (default: "
                    "the tokenizer the model's config.yaml names; hf-to-megarl records the HF one)")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: refuse)")

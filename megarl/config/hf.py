@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
     "MixtralForCausalLM": ("mixtral", False, False),
 }
+MODEL_TYPES = {model_type: arch for arch, (model_type, _, _) in ARCHITECTURES.items()}  # `--arch` names
 # MoE architectures' layer names: (MoE block, expert gate / up / down projections); their routers
 # are megatron-core's softmax over the top-k logits (Qwen3-MoE's norm_topk_prob, Mixtral's)
 EXPERT_NAMES = {
