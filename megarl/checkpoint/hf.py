@@ -399,8 +399,9 @@ def load_hf_checkpoint(hf_dir: str, *, lazy: bool = False) -> tuple[ModelConfig,
 
     hf_dir = os.fspath(hf_dir)
     config_path = os.path.join(hf_dir, "config.json")
-    mc = hf_model_config(hf_dir)
-    arch = _read_json(config_path)["architectures"][0]
+    config_json = _read_json(config_path)
+    mc = hf_config_to_model_config(config_json, source=config_path)
+    arch = config_json["architectures"][0]
     found = {n: v for n, v in _checkpoint_tensors(hf_dir).items() if not _DERIVED.fullmatch(n)}
     shapes = {n: shape for n, (_, shape) in found.items()}
     want = hf_shapes(mc, arch)

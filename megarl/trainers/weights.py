@@ -245,8 +245,5 @@ class AdaptersOff:
 
 
 def build_roles(cfg: Config) -> dict:
-    roles: dict = {}
-    for name in needed_roles(cfg):
-        roles[name] = (build_reference(cfg, roles["actor"]) if name == "reference"
-                       else build_role(cfg, name, trained=name in ("actor", "critic")))
-    return roles
+    """RL's roles (`needed_roles`: a LoRA actor is its own reference, so none is built for it)."""
+    return {name: build_role(cfg, name, trained=name in ("actor", "critic")) for name in needed_roles(cfg)}
